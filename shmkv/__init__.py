@@ -1,0 +1,18 @@
+"""shmkv: a paged KV cache for LLM inference in one POSIX shared-memory segment."""
+from .config import CacheConfig
+from .errors import (CacheFullError, LockTimeout, SegmentError, SequenceNotFound,
+                     ShmkvError)
+from .cache import KVCache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheConfig",
+    "KVCache",
+    "ShmkvError",
+    "CacheFullError",
+    "SequenceNotFound",
+    "SegmentError",
+    "LockTimeout",
+    "__version__",
+]

@@ -1,0 +1,78 @@
+# Kernel signatures (_kernels.h).  Every kernel returns a status code; none raises.
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
+from shmkv._layout cimport *
+
+cdef extern from "_kernels.h" nogil:
+    ctypedef struct shmkv_ctx_t:
+        uint8_t *base
+        uint64_t size
+        shmkv_header_t *hdr
+        shmkv_shared_t *sh
+        shmkv_block_t *blocks
+        uint32_t *free_stack
+        shmkv_proc_t *procs
+        shmkv_seq_t *seqs
+        uint32_t *seq_free
+        int32_t *tables
+        shmkv_index_t *index
+        uint8_t *kpool
+        uint8_t *vpool
+        shmkv_config_t cfg
+        shmkv_layout_t lay
+        int lock_fd
+        uint32_t proc_slot
+        uint64_t proc_token
+        int64_t timeout_ns
+        int readonly
+
+    ctypedef struct shmkv_recovery_t:
+        uint64_t processes, sequences, blocks, locks, tails, refcounts_fixed, corrupt
+        uint64_t duration_ns
+
+    ctypedef struct shmkv_grow_plan_t:
+        uint32_t len, new_blocks, cow_index
+        int cow
+
+    int64_t shmkv_now_ns(int clk)
+    void shmkv_count(shmkv_ctx_t *c, int which, uint64_t v)
+    int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int readonly)
+    int shmkv_seg_init(uint8_t *base, const shmkv_config_t *cfg, uint64_t pid,
+                       uint64_t now_ns, uint64_t seed)
+    int shmkv_ofd_probe(int fd, uint32_t slot)
+    int shmkv_proc_alive(shmkv_ctx_t *c, uint64_t token)
+    int shmkv_pool_trylock(shmkv_ctx_t *c)
+    int shmkv_pool_lock(shmkv_ctx_t *c)
+    void shmkv_pool_unlock(shmkv_ctx_t *c)
+    int shmkv_sid_slot(const shmkv_ctx_t *c, int64_t sid, uint32_t *slot)
+    int64_t shmkv_slot_sid(const shmkv_ctx_t *c, uint32_t slot)
+    int shmkv_seq_trylock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot)
+    int shmkv_seq_lock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot)
+    void shmkv_seq_unlock(shmkv_ctx_t *c, uint32_t slot)
+    int shmkv_block_ok(const shmkv_ctx_t *c, int64_t b)
+    int32_t *shmkv_table(const shmkv_ctx_t *c, uint32_t slot)
+    uint32_t shmkv_blocks_for(const shmkv_ctx_t *c, uint64_t tokens)
+    int shmkv_blocks_alloc_locked(shmkv_ctx_t *c, uint32_t n, uint32_t *out)
+    void shmkv_block_decref_locked(shmkv_ctx_t *c, uint32_t b)
+    int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out)
+    int shmkv_seq_valid(const shmkv_ctx_t *c, uint32_t slot)
+    int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot)
+    int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_out)
+    int shmkv_seq_plan(shmkv_ctx_t *c, uint32_t slot, uint64_t n, shmkv_grow_plan_t *pl)
+    int shmkv_seq_grow_locked(shmkv_ctx_t *c, uint32_t slot, shmkv_grow_plan_t *pl,
+                              uint32_t *cow_target)
+    void shmkv_block_copy(shmkv_ctx_t *c, uint32_t src, uint32_t dst, uint32_t tokens)
+    int shmkv_seq_cow_commit_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t index,
+                                    uint32_t target)
+    void shmkv_inflight_release_locked(shmkv_ctx_t *c, uint32_t target)
+    int shmkv_seq_check_span(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n)
+    void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+                        uint8_t *pool, uint8_t *buf, int to_pool)
+    void shmkv_seq_slots(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+                         int64_t *out)
+    int shmkv_write_slots(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
+                          const uint8_t *k, const uint8_t *v, int64_t *bad)
+    int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid_start)
+    void shmkv_proc_unregister_locked(shmkv_ctx_t *c)
+    int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r)
+    uint32_t shmkv_index_find_locked(shmkv_ctx_t *c, const uint64_t *h)
+    int shmkv_index_insert_locked(shmkv_ctx_t *c, const uint64_t *h, uint32_t b)

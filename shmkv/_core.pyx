@@ -1,0 +1,1308 @@
+# cython: language_level=3
+"""shmkv._core: the mapped segment, its locks, and the Python-facing kernels.
+
+The C kernels (_kernels.h) do every critical section; this module checks arguments,
+takes locks (trying first with the GIL, blocking only without it), releases the GIL
+around every byte copy, and translates status codes into the exceptions of
+shared/API.md.  KVCache (cache.py) subclasses Segment and adds the constructors.
+"""
+import os
+import secrets
+import threading
+import time
+
+import numpy as np
+import posix_ipc
+
+cimport numpy as cnp
+from cpython.buffer cimport PyBUF_WRITABLE
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, INT64_MAX
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset, memcpy
+from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
+
+from .config import CacheConfig, DTYPES, HASHES
+from .errors import (CacheFullError, LockTimeout, SegmentError, SequenceNotFound,
+                     ShmkvError)
+
+cnp.import_array()
+
+cdef extern from "<sys/mman.h>" nogil:
+    int MAP_POPULATE
+
+cdef extern from "<time.h>" nogil:
+    int CLOCK_REALTIME
+    int CLOCK_MONOTONIC
+
+LAYOUT_VERSION = SHMKV_LAYOUT_VERSION
+ABI_FINGERPRINT = shmkv_abi_fingerprint()
+PAGE_SIZE = SHMKV_PAGE
+COUNTER_NAMES = tuple(SHMKV_COUNTER_NAMES[i].decode() for i in range(SHMKV_NCOUNTERS))
+
+_DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
+_HASH_NAMES = {code: name for name, code in HASHES.items()}
+
+
+# --------------------------------------------------------------------------------------
+# status -> exception: the one translator
+# --------------------------------------------------------------------------------------
+_STATUS = {
+    SHMKV_EFULL: (CacheFullError, "the block pool is exhausted"),
+    SHMKV_ESEQFULL: (CacheFullError, "every sequence slot is taken"),
+    SHMKV_ENOSEQ: (SequenceNotFound, "unknown or freed sequence"),
+    SHMKV_ECORRUPT: (SegmentError, "the segment is corrupt"),
+    SHMKV_ETIMEDOUT: (LockTimeout, "a lock stayed held past the wait bound"),
+    SHMKV_ERANGE: (IndexError, "out of range"),
+    SHMKV_ETOOLONG: (CacheFullError, "the sequence would exceed max_seq_len"),
+    SHMKV_EPROCFULL: (CacheFullError, "the process table is full (max_procs)"),
+    SHMKV_EINVAL: (ValueError, "invalid argument"),
+    SHMKV_ENOTREADY: (SegmentError, "the segment is not ready (its creator may have died)"),
+    SHMKV_EVERSION: (SegmentError, "incompatible layout version or ABI"),
+    SHMKV_EBADMAGIC: (SegmentError, "not a shmkv segment (bad magic)"),
+    SHMKV_ENOTOWNER: (ShmkvError, "owned by another live process"),
+    SHMKV_EAGAIN: (ShmkvError, "busy"),
+}
+
+
+cdef int _raise(int st, str what) except -1:
+    if st == SHMKV_ESYS:
+        e = OSError(os.strerror(_errno()) if _errno() else "system call failed")
+        raise OSError(f"{what}: {e}")
+    exc, text = _STATUS.get(st, (ShmkvError, f"status {st}"))
+    raise exc(f"{what}: {text}")
+
+
+cdef extern from "<errno.h>":
+    int errno
+cdef inline int _errno():
+    return errno
+
+
+cdef inline int _pool_lock(shmkv_ctx_t *c) except -1:
+    """Takes the pool lock: one try with the GIL, then a bounded wait without it."""
+    cdef int st = shmkv_pool_trylock(c)
+    if st == SHMKV_EAGAIN:
+        with nogil:
+            st = shmkv_pool_lock(c)
+    if st != SHMKV_OK:
+        _raise(st, "pool lock")
+    return 0
+
+
+cdef inline int _seq_lock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot) except -1:
+    cdef int st = shmkv_seq_trylock(c, sid, slot)
+    if st == SHMKV_EAGAIN:
+        with nogil:
+            st = shmkv_seq_lock(c, sid, slot)
+    if st != SHMKV_OK:
+        _raise(st, f"sequence {sid}")
+    return 0
+
+
+cdef inline int64_t _as_sid(object sid) except? -2:
+    if type(sid) is not int:
+        if isinstance(sid, bool) or not isinstance(sid, (int, np.integer)):
+            raise TypeError(f"sid: expected int, got {type(sid).__name__}")
+        sid = int(sid)
+    try:
+        return <int64_t>sid
+    except OverflowError:
+        raise SequenceNotFound(f"sequence {sid}: unknown or freed sequence") from None
+
+
+def _norm_name(name):
+    """'llama' or '/llama' -> '/llama'; anything else is a ValueError/TypeError."""
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected str, got {type(name).__name__}")
+    bare = name[1:] if name.startswith("/") else name
+    if not bare or "/" in bare or "\0" in bare or len(bare.encode()) > 250:
+        raise ValueError(
+            "name: expected 1..250 bytes without '/' (a leading '/' is allowed), "
+            f"got {name!r}")
+    return "/" + bare
+
+
+# --------------------------------------------------------------------------------------
+# config <-> segment
+# --------------------------------------------------------------------------------------
+cdef shmkv_config_t _cfg_struct(cfg) except *:
+    cdef shmkv_config_t c
+    memset(&c, 0, sizeof(c))
+    c.num_layers = cfg.num_layers
+    c.num_kv_heads = cfg.num_kv_heads
+    c.head_dim = cfg.head_dim
+    c.block_size = cfg.block_size
+    c.num_blocks = cfg.num_blocks
+    c.max_seqs = cfg.max_seqs
+    c.max_blocks_per_seq = cfg.max_seq_len // cfg.block_size
+    c.max_procs = cfg.max_procs
+    c.dtype, c.itemsize = DTYPES[cfg.dtype]
+    c.hash_algo = HASHES[cfg.hash]
+    return c
+
+
+cdef object _cfg_object(const shmkv_config_t *c):
+    return CacheConfig(
+        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        num_blocks=c.num_blocks, block_size=c.block_size, dtype=_DTYPE_NAMES[c.dtype],
+        max_seqs=c.max_seqs, max_seq_len=c.max_blocks_per_seq * c.block_size,
+        max_procs=c.max_procs, hash=_HASH_NAMES[c.hash_algo])
+
+
+cdef dict _layout_dict(const shmkv_layout_t *l):
+    return dict(token_bytes=l.token_bytes, block_bytes=l.block_bytes,
+                layer_stride=l.layer_stride, index_capacity=l.index_capacity,
+                off_blocks=l.off_blocks, off_free=l.off_free, off_procs=l.off_procs,
+                off_seqs=l.off_seqs, off_seq_free=l.off_seq_free, off_tables=l.off_tables,
+                off_index=l.off_index, off_kpool=l.off_kpool, off_vpool=l.off_vpool,
+                segment_size=l.segment_size)
+
+
+def layout_of(cfg):
+    """The region layout (sizes and offsets, in bytes) a config gives; ValueError if the
+    C layout rejects it."""
+    cdef shmkv_config_t c = _cfg_struct(cfg)
+    cdef shmkv_layout_t l
+    if shmkv_layout_compute(&c, &l) != SHMKV_OK:
+        raise ValueError(
+            "config: the segment would be too large (over 2^48 bytes) or a field is out "
+            f"of range: {cfg!r}")
+    return _layout_dict(&l)
+
+
+def _proc_start_time(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# --------------------------------------------------------------------------------------
+# the mapping: owns the address range; numpy views keep it alive
+# --------------------------------------------------------------------------------------
+cdef class _Mapping:
+    cdef uint8_t *base
+    cdef uint64_t size
+    cdef bint writable
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+
+    def __cinit__(self):
+        self.base = NULL
+        self.size = 0
+
+    @staticmethod
+    cdef _Mapping map(int fd, uint64_t size, bint writable, bint populate):
+        cdef _Mapping m = _Mapping.__new__(_Mapping)
+        cdef int prot = PROT_READ | (PROT_WRITE if writable else 0)
+        cdef int flags = MAP_SHARED | (MAP_POPULATE if populate else 0)
+        cdef void *p
+        with nogil:
+            p = mmap(NULL, size, prot, flags, fd, 0)
+        if p == MAP_FAILED:
+            raise OSError(_errno(), f"mmap of {size} bytes failed: {os.strerror(_errno())}")
+        m.base = <uint8_t *>p
+        m.size = size
+        m.writable = writable
+        return m
+
+    def __getbuffer__(self, Py_buffer *buf, int flags):
+        if (flags & PyBUF_WRITABLE) and not self.writable:
+            raise BufferError("read-only mapping")
+        self.shape[0] = <Py_ssize_t>self.size
+        self.strides[0] = 1
+        buf.buf = self.base
+        buf.obj = self
+        buf.len = <Py_ssize_t>self.size
+        buf.readonly = 0 if self.writable else 1
+        buf.itemsize = 1
+        buf.format = "B"
+        buf.ndim = 1
+        buf.shape = self.shape
+        buf.strides = self.strides
+        buf.suboffsets = NULL
+        buf.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *buf):
+        pass
+
+    def __dealloc__(self):
+        if self.base != NULL:
+            munmap(self.base, self.size)
+            self.base = NULL
+
+
+# --------------------------------------------------------------------------------------
+# the attachment: one per (segment, process); handles share it
+# --------------------------------------------------------------------------------------
+cdef dict _attachments = {}          # (st_dev, st_ino) -> _Attachment, this process
+_attach_lock = threading.RLock()
+
+
+cdef class _Attachment:
+    cdef shmkv_ctx_t ctx
+    cdef _Mapping mapping
+    cdef object key
+    cdef object name
+    cdef int fd
+    cdef int refs
+    cdef object pid
+
+    def __cinit__(self):
+        self.fd = -1
+        self.ctx.lock_fd = -1
+
+    cdef int register(self) except -1:
+        """Takes a process slot (and its liveness lock) for this process."""
+        cdef shmkv_ctx_t *c = &self.ctx
+        cdef int st
+        cdef shmkv_recovery_t r
+        pid = os.getpid()
+        if c.lock_fd < 0:
+            c.lock_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        _pool_lock(c)
+        try:
+            st = shmkv_proc_register_locked(c, pid, _proc_start_time(pid))
+            if st == SHMKV_EPROCFULL:
+                st = shmkv_recover_locked(c, &r)
+                if st == SHMKV_OK:
+                    st = shmkv_proc_register_locked(c, pid, _proc_start_time(pid))
+        finally:
+            shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            _raise(st, f"attach {self.name}")
+        self.pid = pid
+        return 0
+
+    cdef int release(self) except -1:
+        """The last handle of this process closed: leave the process table; our
+        sequences that were not detached are reclaimed now."""
+        cdef shmkv_ctx_t *c = &self.ctx
+        cdef shmkv_recovery_t r
+        with _attach_lock:
+            if _attachments.get(self.key) is self:
+                del _attachments[self.key]
+        try:
+            if c.proc_token != 0 and self.pid == os.getpid():
+                _pool_lock(c)
+                try:
+                    shmkv_proc_unregister_locked(c)
+                    shmkv_recover_locked(c, &r)
+                finally:
+                    shmkv_pool_unlock(c)
+        finally:
+            if c.lock_fd >= 0:
+                os.close(c.lock_fd)
+                c.lock_fd = -1
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+        return 0
+
+    cdef void after_fork_child(self):
+        # The liveness lock belongs to the parent's open file description: drop our copy
+        # of the fd so the parent's death is seen, and register afresh on first use.
+        if self.ctx.lock_fd >= 0:
+            try:
+                os.close(self.ctx.lock_fd)
+            except OSError:
+                pass
+        self.ctx.lock_fd = -1
+        self.ctx.proc_slot = SHMKV_NIL
+        self.ctx.proc_token = 0
+        self.pid = None
+
+
+def _after_fork_child():
+    for att in list(_attachments.values()):
+        (<_Attachment>att).after_fork_child()
+
+os.register_at_fork(after_in_child=_after_fork_child)
+
+
+cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populate,
+                       double timeout):
+    """Opens (or creates) the named segment and returns this process's attachment."""
+    cdef shmkv_config_t ccfg
+    cdef shmkv_layout_t lay
+    cdef int st
+    cdef uint64_t size
+    cdef _Attachment att
+    cdef _Mapping m
+    cdef shmkv_recovery_t r
+    if create:
+        ccfg = _cfg_struct(cfg)
+        if shmkv_layout_compute(&ccfg, &lay) != SHMKV_OK:
+            raise ValueError(f"config: the segment would be too large: {cfg!r}")
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode)
+        except posix_ipc.ExistentialError:
+            raise FileExistsError(f"segment {name!r} already exists") from None
+        fd = os.dup(shm.fd)
+        shm.close_fd()
+        try:
+            os.fchmod(fd, mode)                         # exact, whatever the umask
+            os.ftruncate(fd, lay.segment_size)
+            try:
+                os.posix_fallocate(fd, 0, lay.segment_size)   # no SIGBUS later
+            except OSError as e:
+                raise OSError(e.errno, f"cannot reserve {lay.segment_size} bytes for "
+                              f"{name!r} in /dev/shm: {e.strerror}") from None
+            m = _Mapping.map(fd, lay.segment_size, True, False)
+            st = shmkv_seg_init(m.base, &ccfg, os.getpid(), time.time_ns(),
+                                secrets.randbits(64))
+            if st != SHMKV_OK:
+                _raise(st, f"create {name}")
+        except BaseException:
+            os.close(fd)
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass
+            raise
+    else:
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(f"segment {name!r} does not exist") from None
+        except posix_ipc.PermissionsError as e:
+            raise PermissionError(f"segment {name!r}: {e}") from None
+        fd = os.dup(shm.fd)
+        shm.close_fd()
+        m = None
+    try:
+        stt = os.fstat(fd)
+        key = (stt.st_dev, stt.st_ino)
+        with _attach_lock:
+            att = _attachments.get(key)
+            if att is not None and att.fd >= 0:
+                os.close(fd)
+                att.refs += 1
+                return att
+        deadline = time.monotonic() + timeout
+        while True:
+            size = os.fstat(fd).st_size
+            if m is None and size >= SHMKV_PAGE:
+                m = _Mapping.map(fd, size, True, populate)
+            if m is not None:
+                att = _Attachment.__new__(_Attachment)
+                st = shmkv_ctx_bind(&att.ctx, m.base, m.size, 0)
+                if st == SHMKV_OK:
+                    break
+                if st != SHMKV_ENOTREADY:
+                    _raise(st, f"attach {name}")
+                m = None
+            else:
+                st = SHMKV_ENOTREADY
+            if time.monotonic() > deadline:
+                raise SegmentError(
+                    f"attach {name}: the segment is not ready after {timeout:g} s "
+                    f"(size {size} bytes; its creator may have died while building it)")
+            time.sleep(0.005)
+        att.mapping = m
+        att.fd = fd
+        att.key = key
+        att.name = name
+        att.refs = 1
+        att.register()
+        with _attach_lock:
+            _attachments[key] = att
+        # recovery on attach: whatever dead processes left behind is reclaimed now
+        _pool_lock(&att.ctx)
+        try:
+            st = shmkv_recover_locked(&att.ctx, &r)
+        finally:
+            shmkv_pool_unlock(&att.ctx)
+        return att
+    except BaseException:
+        if m is None or not (att is not None and att.fd == fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        raise
+
+
+# --------------------------------------------------------------------------------------
+# Segment: the handle.  KVCache (cache.py) subclasses it.
+# --------------------------------------------------------------------------------------
+cdef class Segment:
+    cdef _Attachment _att
+    cdef shmkv_ctx_t *ctx
+    cdef readonly object name
+    cdef readonly object config
+    cdef object _dtype
+    cdef cnp.dtype _descr
+    cdef bint _closed
+    cdef int64_t _tokw           # heads * dim elements of one token (one layer)
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self._closed = True
+        self.ctx = NULL
+
+    cdef _bind(self, _Attachment att):
+        self._att = att
+        self.ctx = &att.ctx
+        self.name = att.name
+        self.config = _cfg_object(&att.ctx.cfg)
+        self._dtype = self.config.numpy_dtype
+        self._descr = self._dtype
+        self._tokw = <int64_t>att.ctx.cfg.num_kv_heads * att.ctx.cfg.head_dim
+        self._closed = False
+
+    @classmethod
+    def _create(cls, name, cfg, int mode=0o600, bint populate=True, double timeout=10.0):
+        if not isinstance(cfg, CacheConfig):
+            raise TypeError(f"config: expected CacheConfig, got {type(cfg).__name__}")
+        if mode < 0 or mode > 0o777:
+            raise ValueError(f"mode: expected 0 <= mode <= 0o777, got {oct(mode)}")
+        cdef Segment self = cls.__new__(cls)
+        self._bind(_open(_norm_name(name), True, cfg, mode, populate, timeout))
+        return self
+
+    @classmethod
+    def _attach(cls, name, bint populate=True, double timeout=10.0):
+        cdef Segment self = cls.__new__(cls)
+        self._bind(_open(_norm_name(name), False, None, 0, populate, timeout))
+        return self
+
+    cdef inline shmkv_ctx_t *_c(self) except NULL:
+        if self._closed:
+            raise ValueError(f"operation on a closed KVCache ({self.name})")
+        if self.ctx.proc_token == 0:          # first use after os.fork()
+            self._att.register()
+        return self.ctx
+
+    # ---- lifetime ---------------------------------------------------------------------
+    def close(self):
+        """Detach this handle; idempotent.  The last handle of the process leaves the
+        process table; the segment stays."""
+        if self._closed:
+            return
+        self._closed = True
+        att = self._att
+        att.refs -= 1
+        if att.refs == 0:
+            att.release()
+
+    def unlink(self):
+        """Remove the segment's name.  Attached processes keep working.  A name that is
+        gone, or that now names another segment, is left alone."""
+        try:
+            shm = posix_ipc.SharedMemory(self.name)
+        except posix_ipc.ExistentialError:
+            return
+        try:
+            st = os.fstat(shm.fd)
+        finally:
+            shm.close_fd()
+        if (st.st_dev, st.st_ino) != self._att.key:
+            return
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            pass
+
+    @property
+    def closed(self):
+        return self._closed
+
+    @property
+    def lock_timeout(self):
+        """Bound, in seconds, on every wait for a lock."""
+        return self.ctx.timeout_ns / 1e9
+
+    @lock_timeout.setter
+    def lock_timeout(self, double seconds):
+        if not seconds > 0:
+            raise ValueError(f"lock_timeout: expected > 0 seconds, got {seconds}")
+        self.ctx.timeout_ns = <int64_t>(seconds * 1e9)
+
+    def __dealloc__(self):
+        if not self._closed and self._att is not None:
+            self._closed = True
+            self._att.refs -= 1
+            if self._att.refs == 0:
+                try:
+                    self._att.release()
+                except BaseException:
+                    pass
+
+    # ---- argument checks ------------------------------------------------------------
+    cdef cnp.ndarray _array(self, object a, str what, int ndim):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{what}: expected numpy.ndarray, got {type(a).__name__}")
+        cdef cnp.ndarray arr = <cnp.ndarray>a
+        if <void *>cnp.PyArray_DESCR(arr) != <void *>self._descr:
+            if arr.dtype != self._dtype or not arr.dtype.isnative:
+                raise TypeError(f"{what}: expected dtype {self._dtype}, got {arr.dtype}")
+        if cnp.PyArray_NDIM(arr) != ndim:
+            raise ValueError(f"{what}: expected a {ndim}-d array, got shape {(<object>arr).shape}")
+        if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+            arr = np.ascontiguousarray(arr)
+        return arr
+
+    cdef int _check_tokens(self, cnp.ndarray k, cnp.ndarray v) except -1:
+        """k, v: [num_layers, n, heads, dim], n >= 1."""
+        cdef shmkv_config_t *cf = &self.ctx.cfg
+        cdef cnp.npy_intp *s = cnp.PyArray_DIMS(k)
+        if (s[0] != cf.num_layers or s[2] != cf.num_kv_heads or s[3] != cf.head_dim
+                or s[1] < 1):
+            raise ValueError(
+                f"k: expected shape ({cf.num_layers}, n >= 1, {cf.num_kv_heads}, "
+                f"{cf.head_dim}), got {(<object>k).shape}")
+        if (<object>k).shape != (<object>v).shape:
+            raise ValueError(f"v: expected shape {(<object>k).shape} (as k), got {(<object>v).shape}")
+        return 0
+
+    # ---- growing a sequence: shared by append and reserve ------------------------------
+    cdef int _grow(self, shmkv_ctx_t *c, uint32_t slot, uint64_t n,
+                   shmkv_grow_plan_t *pl, int64_t sid) except -1:
+        """Caller holds the sequence lock.  Makes room for n tokens after pl.len: new
+        blocks into the table, and a private copy of a shared partial last block.  On
+        return the table holds every block the n tokens go to; nothing is published."""
+        cdef int st
+        cdef uint32_t target = SHMKV_NIL, src
+        cdef shmkv_recovery_t r
+        cdef int tries = 0
+        while True:
+            _pool_lock(c)
+            st = shmkv_seq_grow_locked(c, slot, pl, &target)
+            if st == SHMKV_EFULL:
+                # recovery before raising CacheFullError: dead processes' blocks return
+                if shmkv_recover_locked(c, &r) == SHMKV_OK and (r.blocks or r.sequences):
+                    st = shmkv_seq_plan(c, slot, n, pl)
+                    if st == SHMKV_OK:
+                        st = shmkv_seq_grow_locked(c, slot, pl, &target)
+            if st == SHMKV_EFULL:
+                free_now = c.sh.free_top + c.sh.cached_count
+            shmkv_pool_unlock(c)
+            if st == SHMKV_EAGAIN and tries < 10000:     # in-flight records all busy
+                tries += 1
+                time.sleep(0.0005)
+                continue
+            break
+        if st == SHMKV_EFULL:
+            raise CacheFullError(
+                f"sequence {sid}: the block pool is exhausted: {n} more tokens need "
+                f"{pl.new_blocks + pl.cow} blocks, {free_now} free")
+        if st != SHMKV_OK:
+            _raise(st, f"sequence {sid}")
+        if not pl.cow:
+            return 0
+        src = <uint32_t>shmkv_table(c, slot)[pl.cow_index]
+        try:
+            with nogil:
+                shmkv_block_copy(c, src, target, pl.len % c.cfg.block_size)
+            _pool_lock(c)
+            st = shmkv_seq_cow_commit_locked(c, slot, pl.cow_index, target)
+            shmkv_pool_unlock(c)
+            if st != SHMKV_OK:
+                _raise(st, f"sequence {sid}")
+            target = SHMKV_NIL
+        finally:
+            if target != SHMKV_NIL:             # interrupted: give the copy back
+                if shmkv_pool_lock(c) == SHMKV_OK:
+                    shmkv_inflight_release_locked(c, target)
+                    shmkv_pool_unlock(c)
+        return 0
+
+    # ---- sequences ---------------------------------------------------------------------
+    def create_sequence(self, *, int priority=0):
+        """Create an empty sequence owned by this process.
+
+        Returns
+        -------
+        int
+            Its id, unique among the live sequences of the segment.
+
+        Raises
+        ------
+        CacheFullError
+            Every sequence slot is taken.
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t sid = -1
+        cdef int st
+        cdef shmkv_recovery_t r
+        if priority < 0:
+            raise ValueError(f"priority: expected >= 0, got {priority}")
+        _pool_lock(c)
+        st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
+        if st == SHMKV_ESEQFULL and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences:
+            st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            if st == SHMKV_ESEQFULL:
+                raise CacheFullError(
+                    f"create_sequence: all {c.cfg.max_seqs} sequence slots are taken")
+            _raise(st, "create_sequence")
+        return sid
+
+    def fork(self, sid):
+        """A new sequence sharing every block of `sid` copy-on-write.
+
+        The child is owned by this process.  Appends to either sequence never change
+        what the other gathers: a shared partial last block is copied before it is
+        written.
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid), child = -1
+        cdef int st
+        cdef shmkv_recovery_t r
+        _pool_lock(c)
+        st = shmkv_seq_fork_locked(c, s, &child)
+        if st == SHMKV_ESEQFULL and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences:
+            st = shmkv_seq_fork_locked(c, s, &child)
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            if st == SHMKV_ESEQFULL:
+                raise CacheFullError(
+                    f"fork({s}): all {c.cfg.max_seqs} sequence slots are taken")
+            _raise(st, f"fork({s})")
+        return child
+
+    def append(self, sid, k, v):
+        """Append n tokens to a sequence, every layer at once.
+
+        Parameters
+        ----------
+        sid : int
+        k, v : ndarray
+            ``[num_layers, n, num_kv_heads, head_dim]`` of the cache's dtype, n >= 1.
+
+        The tokens become visible to gather (in every process) all together, when the
+        call returns.  Raises CacheFullError with no effect when the pool is short.
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid)
+        cdef cnp.ndarray ka = self._array(k, "k", 4)
+        cdef cnp.ndarray va = self._array(v, "v", 4)
+        self._check_tokens(ka, va)
+        cdef uint64_t n = <uint64_t>cnp.PyArray_DIMS(ka)[1]
+        cdef uint32_t slot
+        cdef shmkv_grow_plan_t pl
+        cdef int st
+        cdef uint8_t *kb = <uint8_t *>cnp.PyArray_DATA(ka)
+        cdef uint8_t *vb = <uint8_t *>cnp.PyArray_DATA(va)
+        _seq_lock(c, s, &slot)
+        try:
+            st = shmkv_seq_plan(c, slot, n, &pl)
+            if st != SHMKV_OK:
+                self._plan_error(st, s, n)
+            if pl.new_blocks or pl.cow:
+                self._grow(c, slot, n, &pl, s)
+            st = shmkv_seq_check_span(c, slot, pl.len, n)
+            if st != SHMKV_OK:
+                _raise(st, f"sequence {s}")
+            with nogil:
+                shmkv_seq_copy(c, slot, pl.len, n, c.kpool, kb, 1)
+                shmkv_seq_copy(c, slot, pl.len, n, c.vpool, vb, 1)
+            shmkv_atomic_store_u32_release(&c.seqs[slot].len, <uint32_t>(pl.len + n))
+            shmkv_count(c, SHMKV_C_APPENDED_TOKENS, n)
+        finally:
+            shmkv_seq_unlock(c, slot)
+
+    cdef int _plan_error(self, int st, int64_t s, uint64_t n) except -1:
+        if st == SHMKV_ETOOLONG:
+            raise CacheFullError(
+                f"sequence {s}: {n} more tokens would exceed max_seq_len "
+                f"({self.ctx.cfg.max_blocks_per_seq * self.ctx.cfg.block_size} tokens)")
+        _raise(st, f"sequence {s}")
+
+    def reserve(self, sid, n):
+        """Grow a sequence by n tokens and return their slot ids.
+
+        Returns
+        -------
+        ndarray of int64, shape [n]
+            ``slot = block_id * block_size + offset`` of each new token, for
+            :meth:`write`.  The new length is visible at once; the data is whatever the
+            caller writes into the slots.
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"n: expected int, got {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"n: expected n >= 1, got {n}")
+        if n > <int64_t>c.cfg.max_blocks_per_seq * c.cfg.block_size:
+            self._plan_error(SHMKV_ETOOLONG, s, n)
+        cdef uint64_t nn = <uint64_t>n
+        cdef uint32_t slot
+        cdef shmkv_grow_plan_t pl
+        cdef int st
+        cdef cnp.npy_intp dims[1]
+        dims[0] = <cnp.npy_intp>nn
+        cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
+        _seq_lock(c, s, &slot)
+        try:
+            st = shmkv_seq_plan(c, slot, nn, &pl)
+            if st != SHMKV_OK:
+                self._plan_error(st, s, nn)
+            if pl.new_blocks or pl.cow:
+                self._grow(c, slot, nn, &pl, s)
+            st = shmkv_seq_check_span(c, slot, pl.len, nn)
+            if st != SHMKV_OK:
+                _raise(st, f"sequence {s}")
+            shmkv_seq_slots(c, slot, pl.len, nn, <int64_t *>cnp.PyArray_DATA(out))
+            shmkv_atomic_store_u32_release(&c.seqs[slot].len, <uint32_t>(pl.len + nn))
+            shmkv_count(c, SHMKV_C_APPENDED_TOKENS, nn)
+        finally:
+            shmkv_seq_unlock(c, slot)
+        return out
+
+    def write(self, layer, slots, k, v):
+        """Scatter tokens of one layer into slots (vLLM's reshape_and_cache).
+
+        Parameters
+        ----------
+        layer : int
+        slots : ndarray of int64, shape [n]   (from :meth:`reserve`)
+        k, v : ndarray [n, num_kv_heads, head_dim] of the cache's dtype
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t lyr = self._layer(layer)
+        if not isinstance(slots, np.ndarray):
+            raise TypeError(f"slots: expected numpy.ndarray of int64, got {type(slots).__name__}")
+        if slots.dtype.kind not in "iu":
+            raise TypeError(f"slots: expected an integer dtype, got {slots.dtype}")
+        if slots.ndim != 1:
+            raise ValueError(f"slots: expected a 1-d array, got shape {slots.shape}")
+        cdef cnp.ndarray sa = np.ascontiguousarray(slots, dtype=np.int64)
+        cdef cnp.ndarray ka = self._array(k, "k", 3)
+        cdef cnp.ndarray va = self._array(v, "v", 3)
+        cdef uint64_t n = <uint64_t>cnp.PyArray_DIMS(sa)[0]
+        cdef shmkv_config_t *cf = &c.cfg
+        if n < 1:
+            raise ValueError("slots: expected n >= 1 slots, got 0")
+        kshape, vshape = (<object>ka).shape, (<object>va).shape
+        if kshape != (n, cf.num_kv_heads, cf.head_dim):
+            raise ValueError(
+                f"k: expected shape ({n}, {cf.num_kv_heads}, {cf.head_dim}), got {kshape}")
+        if vshape != kshape:
+            raise ValueError(f"v: expected shape {kshape} (as k), got {vshape}")
+        cdef int64_t bad = -1
+        cdef int st
+        cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(sa)
+        cdef const uint8_t *kb = <const uint8_t *>cnp.PyArray_DATA(ka)
+        cdef const uint8_t *vb = <const uint8_t *>cnp.PyArray_DATA(va)
+        with nogil:
+            st = shmkv_write_slots(c, <uint32_t>lyr, sp, n, kb, vb, &bad)
+        if st == SHMKV_ERANGE:
+            raise IndexError(
+                f"slots[{bad}]: expected 0 <= slot < {cf.num_blocks * cf.block_size}, "
+                f"got {sa[bad]}")
+        if st != SHMKV_OK:
+            _raise(st, "write")
+
+    cdef int64_t _layer(self, object layer) except -1:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer: expected int, got {type(layer).__name__}")
+        if not 0 <= layer < self.ctx.cfg.num_layers:
+            raise IndexError(
+                f"layer: expected 0 <= layer < {self.ctx.cfg.num_layers}, got {layer}")
+        return <int64_t>layer
+
+    def gather(self, sid, start=None, stop=None, *, out=None):
+        """Read tokens [start, stop) of a sequence, every layer.
+
+        Returns
+        -------
+        (k, v) : ndarrays [num_layers, stop - start, num_kv_heads, head_dim]
+            New C-contiguous arrays, or the two arrays of ``out`` (which must be
+            C-contiguous, writable, of that shape and the cache's dtype).
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid)
+        cdef uint32_t slot
+        cdef int64_t a, b, L
+        cdef int st
+        cdef cnp.ndarray ko, vo
+        cdef uint8_t *kb
+        cdef uint8_t *vb
+        _seq_lock(c, s, &slot)
+        try:
+            L = c.seqs[slot].len
+            a = 0 if start is None else _token_index(start, "start")
+            b = L if stop is None else _token_index(stop, "stop")
+            if not (0 <= a <= b <= L):
+                raise IndexError(
+                    f"token range: expected 0 <= start <= stop <= {L} (sequence {s} "
+                    f"length), got [{a}, {b})")
+            shape = (c.cfg.num_layers, b - a, c.cfg.num_kv_heads, c.cfg.head_dim)
+            if out is None:
+                ko = np.empty(shape, self._dtype)
+                vo = np.empty(shape, self._dtype)
+            else:
+                ko, vo = self._check_out(out, shape)
+            st = shmkv_seq_check_span(c, slot, a, b - a)
+            if st != SHMKV_OK:
+                _raise(st, f"sequence {s}")
+            kb = <uint8_t *>cnp.PyArray_DATA(ko)
+            vb = <uint8_t *>cnp.PyArray_DATA(vo)
+            with nogil:
+                shmkv_seq_copy(c, slot, a, b - a, c.kpool, kb, 0)
+                shmkv_seq_copy(c, slot, a, b - a, c.vpool, vb, 0)
+            shmkv_count(c, SHMKV_C_GATHERED_TOKENS, b - a)
+        finally:
+            shmkv_seq_unlock(c, slot)
+        if out is not None:
+            return out
+        return ko, vo
+
+    cdef tuple _check_out(self, object out, tuple shape):
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise TypeError(f"out: expected a tuple (k_out, v_out), got {type(out).__name__}")
+        res = []
+        for name, a in zip(("out[0]", "out[1]"), out):
+            if not isinstance(a, np.ndarray):
+                raise TypeError(f"{name}: expected numpy.ndarray, got {type(a).__name__}")
+            if a.dtype != self._dtype or not a.dtype.isnative:
+                raise TypeError(f"{name}: expected dtype {self._dtype}, got {a.dtype}")
+            if a.shape != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
+            if not a.flags.c_contiguous:
+                raise ValueError(f"{name}: expected a C-contiguous array")
+            if not a.flags.writeable:
+                raise ValueError(f"{name}: expected a writable array")
+            res.append(a)
+        if np.shares_memory(res[0], res[1]):
+            raise ValueError("out: k_out and v_out must not overlap")
+        return tuple(res)
+
+    def seq_len(self, sid):
+        """Tokens in the sequence."""
+        cdef shmkv_ctx_t *c = self._c()
+        cdef uint32_t slot
+        cdef int64_t s = _as_sid(sid)
+        cdef int st = shmkv_sid_slot(c, s, &slot)
+        if st != SHMKV_OK:
+            _raise(st, f"sequence {s}")
+        return shmkv_atomic_load_u32_acquire(&c.seqs[slot].len)
+
+    def block_table(self, sid):
+        """int32 ndarray of the physical block ids of a sequence, in logical order."""
+        return self.batch_block_tables(np.array([_as_sid(sid)], np.int64))[0][0]
+
+    def batch_block_tables(self, sids):
+        """Block tables of a batch, padded with -1.
+
+        Returns
+        -------
+        tables : int32 ndarray [batch, W], W the longest table of the batch
+        lens : int32 ndarray [batch], each sequence's length in tokens
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef cnp.ndarray sa
+        if isinstance(sids, np.ndarray) and sids.dtype == np.int64 and sids.ndim == 1:
+            sa = np.ascontiguousarray(sids)
+        else:
+            try:
+                sa = np.asarray(sids, dtype=np.int64)
+            except (TypeError, ValueError, OverflowError):
+                raise TypeError("sids: expected a sequence of int sequence ids") from None
+            if sa.ndim != 1:
+                raise ValueError(f"sids: expected a 1-d sequence, got shape {(<object>sa).shape}")
+            if isinstance(sids, np.ndarray) and sids.dtype.kind not in "iu":
+                raise TypeError(f"sids: expected integer ids, got dtype {sids.dtype}")
+        cdef Py_ssize_t B = sa.shape[0], i, j
+        cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(sa)
+        cdef cnp.npy_intp dims[2]
+        dims[0] = B
+        cdef cnp.ndarray lens = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT32, 0)
+        cdef int32_t *lp = <int32_t *>cnp.PyArray_DATA(lens)
+        cdef uint32_t *slots = <uint32_t *>malloc(sizeof(uint32_t) * (B + 1))
+        cdef uint32_t W = 0, nb, sl
+        cdef int st = SHMKV_OK
+        cdef int64_t bad = 0
+        cdef cnp.ndarray tables
+        cdef int32_t *tp
+        cdef const int32_t *src
+        if slots == NULL:
+            raise MemoryError()
+        try:
+            _pool_lock(c)
+            try:
+                for i in range(B):
+                    st = shmkv_sid_slot(c, sp[i], &sl)
+                    if st != SHMKV_OK:
+                        bad = sp[i]
+                        break
+                    slots[i] = sl
+                    lp[i] = <int32_t>shmkv_atomic_load_u32_acquire(&c.seqs[sl].len)
+                    nb = shmkv_blocks_for(c, <uint32_t>lp[i])
+                    if nb > c.seqs[sl].nblocks or nb > c.cfg.max_blocks_per_seq:
+                        st = SHMKV_ECORRUPT
+                        bad = sp[i]
+                        break
+                    if nb > W:
+                        W = nb
+                if st == SHMKV_OK:
+                    dims[1] = W
+                    tables = cnp.PyArray_EMPTY(2, dims, cnp.NPY_INT32, 0)
+                    tp = <int32_t *>cnp.PyArray_DATA(tables)
+                    for i in range(B):
+                        nb = shmkv_blocks_for(c, <uint32_t>lp[i])
+                        src = shmkv_table(c, slots[i])
+                        for j in range(nb):
+                            if not shmkv_block_ok(c, src[j]):
+                                st = SHMKV_ECORRUPT
+                            tp[i * W + j] = src[j]
+                        for j in range(nb, W):
+                            tp[i * W + j] = -1
+            finally:
+                shmkv_pool_unlock(c)
+        finally:
+            free(slots)
+        if st == SHMKV_ENOSEQ:
+            raise SequenceNotFound(f"sequence {bad}: unknown or freed sequence")
+        if st != SHMKV_OK:
+            _raise(st, f"sequence {bad}")
+        return tables, lens
+
+    def free(self, sid):
+        """Drop a sequence; blocks whose refcount reaches 0 return to the pool."""
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid)
+        cdef uint32_t slot
+        cdef int st
+        _seq_lock(c, s, &slot)
+        try:
+            _pool_lock(c)
+        except BaseException:
+            shmkv_seq_unlock(c, slot)
+            raise
+        st = shmkv_seq_free_locked(c, slot)        # releases the sequence lock on OK
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            shmkv_seq_unlock(c, slot)
+            _raise(st, f"free({s})")
+
+    def sequences(self):
+        """Ids of the live sequences, in slot order."""
+        cdef shmkv_ctx_t *c = self._c()
+        cdef uint32_t i
+        res = []
+        _pool_lock(c)
+        try:
+            for i in range(c.cfg.max_seqs):
+                if c.seqs[i].state == SHMKV_SEQ_LIVE:
+                    res.append(shmkv_slot_sid(c, i))
+        finally:
+            shmkv_pool_unlock(c)
+        return res
+
+    # ---- ownership ----------------------------------------------------------------------
+    cdef int _set_owner(self, object sid, uint64_t owner) except -1:
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid)
+        cdef uint32_t slot
+        _pool_lock(c)
+        st = shmkv_sid_slot(c, s, &slot)
+        if st == SHMKV_OK:
+            c.seqs[slot].owner = owner if owner != 1 else c.proc_token
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            _raise(st, f"sequence {s}")
+        return 0
+
+    def detach(self, sid):
+        """Make a sequence owned by no process: it survives its creator, and recovery
+        never frees it, until some process adopts it."""
+        self._set_owner(sid, 0)
+
+    def adopt(self, sid):
+        """This process becomes the owner of the sequence."""
+        self._set_owner(sid, 1)
+
+    def owner_pid(self, sid):
+        """PID of the owning process, or None for a detached sequence."""
+        cdef shmkv_ctx_t *c = self._c()
+        cdef uint32_t slot
+        cdef int64_t s = _as_sid(sid)
+        cdef uint64_t tok
+        _pool_lock(c)
+        st = shmkv_sid_slot(c, s, &slot)
+        tok = c.seqs[slot].owner if st == SHMKV_OK else 0
+        pid = None
+        if tok != 0 and (tok & 0xffffffff) - 1 < c.cfg.max_procs:
+            pid = c.procs[(tok & 0xffffffff) - 1].pid
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            _raise(st, f"sequence {s}")
+        return pid
+
+    def recover(self):
+        """Reclaim what dead processes held.
+
+        Returns
+        -------
+        dict
+            ``sequences`` and ``blocks`` reclaimed, ``processes`` found dead, ``locks``
+            taken from dead holders, unpublished ``tail_blocks`` trimmed,
+            ``refcounts_fixed``, ``corrupt_sequences`` dropped, ``duration_s``.
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef shmkv_recovery_t r
+        cdef int st
+        _pool_lock(c)
+        st = shmkv_recover_locked(c, &r)
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            _raise(st, "recover")
+        return dict(sequences=r.sequences, blocks=r.blocks, processes=r.processes,
+                    locks=r.locks, tail_blocks=r.tails, refcounts_fixed=r.refcounts_fixed,
+                    corrupt_sequences=r.corrupt, duration_s=r.duration_ns / 1e9)
+
+    # ---- zero-copy pools ----------------------------------------------------------------
+    cdef object _pool_view(self, object layer, bint is_k):
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t lyr = self._layer(layer)
+        off = (c.lay.off_kpool if is_k else c.lay.off_vpool) + lyr * c.lay.layer_stride
+        count = <int64_t>c.cfg.num_blocks * c.cfg.block_size * self._tokw
+        arr = np.frombuffer(self._att.mapping, dtype=self._dtype, count=count, offset=off)
+        return arr.reshape(c.cfg.num_blocks, c.cfg.block_size, c.cfg.num_kv_heads,
+                           c.cfg.head_dim)
+
+    def key_cache(self, layer):
+        """Zero-copy view [num_blocks, block_size, num_kv_heads, head_dim] of one layer's
+        K pool; writes through it land in shared memory."""
+        return self._pool_view(layer, True)
+
+    def value_cache(self, layer):
+        """Zero-copy view of one layer's V pool (see key_cache)."""
+        return self._pool_view(layer, False)
+
+    # ---- observability ------------------------------------------------------------------
+    def stats(self):
+        """Counters and gauges of the whole segment (every process).
+
+        ``free_blocks + used_blocks == num_blocks``; a block is used iff its refcount is
+        positive.  ``cached_blocks`` (free, still findable by hash) count as free.
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef shmkv_shared_t *sh = c.sh
+        cdef uint64_t counters[32]
+        cdef int i
+        _pool_lock(c)
+        free_top, cached = sh.free_top, sh.cached_count
+        num_seqs, num_procs, peak = sh.num_seqs, sh.num_procs, sh.peak_used
+        last_rec, max_rec = sh.last_recovery_ns, sh.max_recovery_ns
+        idx_used = sh.index_used
+        shmkv_pool_unlock(c)
+        for i in range(SHMKV_NCOUNTERS):
+            counters[i] = shmkv_atomic_load_u64_relaxed(&sh.counters[i])
+        d = dict(num_blocks=c.cfg.num_blocks, free_blocks=free_top + cached,
+                 used_blocks=c.cfg.num_blocks - free_top - cached, cached_blocks=cached,
+                 num_sequences=num_seqs, max_seqs=c.cfg.max_seqs, num_processes=num_procs,
+                 peak_used_blocks=peak, index_entries=idx_used,
+                 last_recovery_s=last_rec / 1e9, max_recovery_s=max_rec / 1e9)
+        for i in range(SHMKV_NCOUNTERS):
+            d[COUNTER_NAMES[i]] = counters[i]
+        return d
+
+    def check(self):
+        """Verify every invariant of the segment.
+
+        Returns
+        -------
+        list of str
+            One line per violation; ``[]`` means consistent.  Sequences being changed
+            by another process right now get the checks that hold mid-operation.
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        _pool_lock(c)
+        try:
+            return _check_locked(c)
+        finally:
+            shmkv_pool_unlock(c)
+
+    # ---- internals for tests and tools --------------------------------------------------
+    def _debug_info(self):
+        cdef shmkv_ctx_t *c = self._c()
+        return dict(proc_slot=c.proc_slot, proc_token=c.proc_token,
+                    layout=_layout_dict(&c.lay), hash_seed=c.hdr.hash_seed,
+                    creator_pid=c.hdr.creator_pid, create_time_ns=c.hdr.create_time_ns)
+
+
+cdef int64_t _token_index(object x, str what) except? -1:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{what}: expected int, got {type(x).__name__}")
+    if x < 0 or x > 0xffffffff:
+        raise IndexError(f"{what}: expected a token index >= 0, got {x}")
+    return <int64_t>x
+
+
+cdef list _check_locked(shmkv_ctx_t *c):
+    """All invariants; the pool lock is held.  Bounded work, bounded output."""
+    cdef list bad = []
+    cdef uint32_t NB = c.cfg.num_blocks, NS = c.cfg.max_seqs, NP = c.cfg.max_procs
+    cdef uint32_t bs = c.cfg.block_size
+    cdef uint32_t i, j, b, s, nb, ln, want, top, cc, live = 0, nfree_slots, nprocs = 0
+    cdef uint64_t tok
+    cdef uint32_t *cnt = <uint32_t *>malloc(sizeof(uint32_t) * NB + 4)
+    cdef uint8_t *mark = <uint8_t *>malloc(NB + 1)
+    cdef uint8_t *smark = <uint8_t *>malloc(NS + 1)
+    cdef shmkv_seq_t *q
+    cdef const int32_t *t
+    cdef bint locked
+    cdef uint64_t me = c.proc_token if c.proc_token else 1
+    if cnt == NULL or mark == NULL or smark == NULL:
+        free(cnt); free(mark); free(smark)
+        raise MemoryError()
+    memset(cnt, 0, sizeof(uint32_t) * NB)
+    memset(mark, 0, NB)
+    memset(smark, 0, NS)
+    try:
+        for s in range(NS):
+            q = &c.seqs[s]
+            if q.state == SHMKV_SEQ_FREE:
+                continue
+            if q.state != SHMKV_SEQ_LIVE:
+                bad.append(f"sequence slot {s}: state {q.state} outside a critical section")
+                continue
+            live += 1
+            sid = shmkv_slot_sid(c, s)
+            nb = q.nblocks
+            ln = shmkv_atomic_load_u32_acquire(&q.len)
+            if nb > c.cfg.max_blocks_per_seq:
+                bad.append(f"sequence {sid}: {nb} blocks exceed max_blocks_per_seq "
+                           f"{c.cfg.max_blocks_per_seq}")
+                continue
+            t = shmkv_table(c, s)
+            for i in range(nb):
+                if not shmkv_block_ok(c, t[i]):
+                    bad.append(f"sequence {sid}: table[{i}] = {t[i]} is not a block id")
+                else:
+                    cnt[t[i]] += 1
+            want = shmkv_blocks_for(c, ln)
+            if want > nb:
+                bad.append(f"sequence {sid}: length {ln} needs {want} blocks, has {nb}")
+            # strict checks only when nobody is mid-operation on it (never wait here)
+            locked = shmkv_atomic_cas_u64(&q.writer, 0, me)
+            if locked:
+                ln = q.len
+                want = shmkv_blocks_for(c, ln)
+                if want != nb:
+                    bad.append(f"sequence {sid}: length {ln} needs {want} blocks, table "
+                               f"holds {nb} (unpublished tail with no writer)")
+                shmkv_seq_unlock(c, s)
+            tok = q.owner
+            if tok != 0 and ((tok & 0xffffffff) == 0 or (tok & 0xffffffff) - 1 >= NP):
+                bad.append(f"sequence {sid}: owner token {tok:#x} names no process slot")
+        for s in range(NP):
+            if c.procs[s].state == SHMKV_PROC_ACTIVE:
+                nprocs += 1
+                for j in range(SHMKV_INFLIGHT_PER_PROC):
+                    b = c.procs[s].inflight[j]
+                    if b == SHMKV_NIL:
+                        continue
+                    if b >= NB:
+                        bad.append(f"process slot {s}: in-flight entry {b} is not a block id")
+                    else:
+                        cnt[b] += 1
+            elif c.procs[s].state != SHMKV_PROC_FREE:
+                bad.append(f"process slot {s}: unknown state {c.procs[s].state}")
+        nused = 0
+        for b in range(NB):
+            rc = shmkv_atomic_load_u32(&c.blocks[b].ref_cnt)
+            if rc != cnt[b]:
+                bad.append(f"block {b}: ref_cnt {rc}, but {cnt[b]} references "
+                           "(table entries + in-flight)")
+            if rc > 0:
+                nused += 1
+        top = c.sh.free_top
+        cc = c.sh.cached_count
+        if top > NB:
+            bad.append(f"free list: top {top} > num_blocks {NB}")
+            top = 0
+        for i in range(top):
+            b = c.free_stack[i]
+            if b >= NB:
+                bad.append(f"free list[{i}] = {b} is not a block id")
+                continue
+            if mark[b]:
+                bad.append(f"free list: block {b} appears twice")
+            mark[b] = 1
+            if c.blocks[b].ref_cnt != 0:
+                bad.append(f"free list: block {b} has ref_cnt {c.blocks[b].ref_cnt}")
+            if c.blocks[b].flags & SHMKV_BLOCK_HASHED:
+                bad.append(f"free list: block {b} carries a hash (belongs on the LRU list)")
+        # the LRU list of cached blocks, walked with a bound
+        i = 0
+        b = c.sh.lru_head
+        prev = SHMKV_NIL
+        while b != SHMKV_NIL and i <= NB:
+            if b >= NB:
+                bad.append(f"LRU list: entry {b} is not a block id")
+                break
+            if mark[b]:
+                bad.append(f"LRU list: block {b} appears twice or also on the free list")
+                break
+            mark[b] = 2
+            if c.blocks[b].ref_cnt != 0:
+                bad.append(f"LRU list: block {b} has ref_cnt {c.blocks[b].ref_cnt}")
+            if not (c.blocks[b].flags & SHMKV_BLOCK_HASHED):
+                bad.append(f"LRU list: block {b} has no hash")
+            if c.blocks[b].lru_prev != prev:
+                bad.append(f"LRU list: block {b} has a wrong back link")
+            prev = b
+            b = c.blocks[b].lru_next
+            i += 1
+        if i != cc:
+            bad.append(f"LRU list: {i} blocks linked, cached_count says {cc}")
+        if prev != c.sh.lru_tail:
+            bad.append("LRU list: tail does not match the last linked block")
+        for b in range(NB):
+            if c.blocks[b].ref_cnt == 0 and not mark[b]:
+                bad.append(f"block {b}: ref_cnt 0 but on neither the free nor the LRU list "
+                           "(leaked)")
+        if top + cc + nused != NB:
+            bad.append(f"counts: free {top} + cached {cc} + used {nused} != num_blocks {NB}")
+        # sequence slots
+        nfree_slots = c.sh.seq_free_top
+        if nfree_slots > NS:
+            bad.append(f"sequence free stack: top {nfree_slots} > max_seqs {NS}")
+            nfree_slots = 0
+        for i in range(nfree_slots):
+            s = c.seq_free[i]
+            if s >= NS:
+                bad.append(f"sequence free stack[{i}] = {s} is not a slot")
+                continue
+            if smark[s]:
+                bad.append(f"sequence free stack: slot {s} appears twice")
+            smark[s] = 1
+            if c.seqs[s].state != SHMKV_SEQ_FREE:
+                bad.append(f"sequence free stack: slot {s} is not free")
+        if nfree_slots + live != NS:
+            bad.append(f"sequence slots: {nfree_slots} free + {live} live != max_seqs {NS}")
+        if c.sh.num_seqs != live:
+            bad.append(f"num_sequences {c.sh.num_seqs} != {live} live sequences")
+        if c.sh.num_procs != nprocs:
+            bad.append(f"num_processes {c.sh.num_procs} != {nprocs} active slots")
+        # the index: every entry names a hashed block with that hash
+        n_idx = 0
+        for i in range(c.lay.index_capacity):
+            e = &c.index[i]
+            if (e.hash[0] == 0 and (e.hash[1] == 0 or e.hash[1] == 1)):
+                continue
+            n_idx += 1
+            b = e.block
+            if b >= NB:
+                bad.append(f"index[{i}]: block {b} is not a block id")
+            elif not (c.blocks[b].flags & SHMKV_BLOCK_HASHED) or \
+                    c.blocks[b].hash[0] != e.hash[0] or c.blocks[b].hash[1] != e.hash[1]:
+                bad.append(f"index[{i}]: block {b} does not carry this hash")
+        if n_idx != c.sh.index_used:
+            bad.append(f"index: {n_idx} entries, index_used says {c.sh.index_used}")
+    finally:
+        free(cnt)
+        free(mark)
+        free(smark)
+    if len(bad) > 200:
+        bad = bad[:200] + [f"... and {len(bad) - 200} more"]
+    return bad

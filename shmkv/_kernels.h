@@ -1,0 +1,963 @@
+/*
+ * _kernels.h -- the C kernels over a mapped shmkv segment.
+ *
+ * Every kernel is `noexcept nogil` from Cython's point of view: it returns a status
+ * (SHMKV_OK or SHMKV_E*) and never touches Python.  One translator in _core.pyx turns a
+ * status into the exception of shared/API.md.
+ *
+ * Kernels whose name ends in `_locked` run with ctx->sh->pool_lock held by the caller.
+ * Kernels are all-or-nothing: they check capacity and validate every index they will use
+ * before they mutate anything.  Every index or length read from the segment is checked
+ * against the trusted copy of the config in the ctx (validated once, at bind) before use.
+ */
+#ifndef SHMKV_KERNELS_H
+#define SHMKV_KERNELS_H
+
+#define _GNU_SOURCE 1
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+#include "_layout.h"
+
+#ifdef SHMKV_DEBUG
+#include <assert.h>
+#define SHMKV_ASSERT(x) assert(x)
+#else
+#define SHMKV_ASSERT(x) ((void)0)
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define SHMKV_PAUSE() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define SHMKV_PAUSE() __asm__ __volatile__("yield")
+#else
+#define SHMKV_PAUSE() ((void)0)
+#endif
+
+/* ---- the process-local view of a segment (never in shared memory) ---------------- */
+typedef struct {
+    uint8_t *base;
+    uint64_t size;              /* mapped bytes (== fstat at attach) */
+    shmkv_header_t *hdr;
+    shmkv_shared_t *sh;
+    shmkv_block_t *blocks;
+    uint32_t *free_stack;
+    shmkv_proc_t *procs;
+    shmkv_seq_t *seqs;
+    uint32_t *seq_free;
+    int32_t *tables;
+    shmkv_index_t *index;
+    uint8_t *kpool;
+    uint8_t *vpool;
+    shmkv_config_t cfg;         /* trusted copies, validated at bind */
+    shmkv_layout_t lay;
+    int lock_fd;                /* fd whose OFD lock marks us alive; probes use it; -1 */
+    uint32_t proc_slot;         /* our process slot, or SHMKV_NIL */
+    uint64_t proc_token;        /* ((gen << 32) | (slot + 1)), or 0 when unregistered */
+    int64_t timeout_ns;         /* bound on every wait */
+    int readonly;
+} shmkv_ctx_t;
+
+/* A recovery report. */
+typedef struct {
+    uint64_t processes;         /* dead process slots released */
+    uint64_t sequences;         /* sequences freed (owner dead, or half-built) */
+    uint64_t blocks;            /* blocks whose ref_cnt fell to 0 by the rebuild */
+    uint64_t locks;             /* sequence locks taken from dead holders */
+    uint64_t tails;             /* unpublished tail blocks trimmed from sequences */
+    uint64_t refcounts_fixed;   /* blocks whose ref_cnt was rewritten */
+    uint64_t corrupt;           /* sequences dropped because their table was corrupt */
+    uint64_t duration_ns;
+} shmkv_recovery_t;
+
+static inline int64_t shmkv_now_ns(clockid_t clk) {
+    struct timespec ts;
+    clock_gettime(clk, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void shmkv_count(shmkv_ctx_t *c, int which, uint64_t v) {
+    shmkv_atomic_add_u64_relaxed(&c->sh->counters[which], v);
+}
+
+/* ---- bind: validate a mapped segment and fill the ctx ------------------------------- */
+/* Precondition: base maps `size` bytes.  Checks, in order: size, magic, version and ABI,
+ * readiness, checksum, the layout recomputed from the config, the real size.  Reads the
+ * header into a local copy first, so a writer racing with us cannot change what we
+ * validated. */
+static int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int readonly) {
+    memset(c, 0, sizeof(*c));
+    c->lock_fd = -1;
+    c->proc_slot = SHMKV_NIL;
+    c->timeout_ns = 10LL * 1000000000LL;
+    if (size < SHMKV_PAGE) return SHMKV_ENOTREADY;
+    shmkv_header_t h;
+    memcpy(&h, base, sizeof h);
+    uint32_t state = shmkv_atomic_load_u32_acquire(&((shmkv_shared_t *)(base + SHMKV_SHARED_OFFSET))->state);
+    if (h.magic == 0 && state == 0) return SHMKV_ENOTREADY;   /* creator still sizing it */
+    if (h.magic != SHMKV_MAGIC) return SHMKV_EBADMAGIC;
+    if (h.layout_version != SHMKV_LAYOUT_VERSION || h.header_size != SHMKV_HEADER_SIZE)
+        return SHMKV_EVERSION;
+    if (h.abi_fingerprint != shmkv_abi_fingerprint()) return SHMKV_EVERSION;
+    if (state == SHMKV_STATE_INIT) return SHMKV_ENOTREADY;
+    if (state != SHMKV_STATE_READY) return SHMKV_ECORRUPT;
+    /* re-read after READY was observed (acquire): the creator wrote the header before */
+    memcpy(&h, base, sizeof h);
+    if (shmkv_header_checksum(&h) != h.checksum) return SHMKV_ECORRUPT;
+    shmkv_layout_t lay;
+    if (shmkv_layout_compute(&h.config, &lay) != SHMKV_OK) return SHMKV_ECORRUPT;
+    if (memcmp(&lay, &h.layout, sizeof lay) != 0) return SHMKV_ECORRUPT;
+    if (h.segment_size != lay.segment_size || h.segment_size != size) return SHMKV_ECORRUPT;
+    c->base = base;
+    c->size = size;
+    c->hdr = (shmkv_header_t *)base;
+    c->sh = (shmkv_shared_t *)(base + SHMKV_SHARED_OFFSET);
+    c->cfg = h.config;
+    c->lay = lay;
+    c->blocks = (shmkv_block_t *)(base + lay.off_blocks);
+    c->free_stack = (uint32_t *)(base + lay.off_free);
+    c->procs = (shmkv_proc_t *)(base + lay.off_procs);
+    c->seqs = (shmkv_seq_t *)(base + lay.off_seqs);
+    c->seq_free = (uint32_t *)(base + lay.off_seq_free);
+    c->tables = (int32_t *)(base + lay.off_tables);
+    c->index = (shmkv_index_t *)(base + lay.off_index);
+    c->kpool = base + lay.off_kpool;
+    c->vpool = base + lay.off_vpool;
+    c->readonly = readonly;
+    return SHMKV_OK;
+}
+
+/* ---- init: the creator builds a fresh segment -------------------------------------- */
+/* Precondition: base maps layout->segment_size zeroed bytes nobody else trusts yet
+ * (state is 0).  Stores READY last, with release ordering. */
+static int shmkv_seg_init(uint8_t *base, const shmkv_config_t *cfg, uint64_t pid,
+                          uint64_t now_ns, uint64_t seed) {
+    shmkv_layout_t lay;
+    int st = shmkv_layout_compute(cfg, &lay);
+    if (st != SHMKV_OK) return st;
+    shmkv_shared_t *sh = (shmkv_shared_t *)(base + SHMKV_SHARED_OFFSET);
+    shmkv_atomic_store_u32(&sh->state, SHMKV_STATE_INIT);
+
+    pthread_mutexattr_t a;
+    if (pthread_mutexattr_init(&a) != 0) return SHMKV_ESYS;
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    int rc = pthread_mutex_init(&sh->pool_lock, &a);
+    pthread_mutexattr_destroy(&a);
+    if (rc != 0) { errno = rc; return SHMKV_ESYS; }
+
+    shmkv_block_t *blocks = (shmkv_block_t *)(base + lay.off_blocks);
+    uint32_t *fs = (uint32_t *)(base + lay.off_free);
+    for (uint32_t i = 0; i < cfg->num_blocks; i++) {
+        blocks[i].lru_prev = blocks[i].lru_next = SHMKV_NIL;
+        fs[i] = cfg->num_blocks - 1 - i;            /* pops hand out 0, 1, 2, ... */
+    }
+    sh->free_top = cfg->num_blocks;
+    sh->lru_head = sh->lru_tail = SHMKV_NIL;
+    shmkv_proc_t *procs = (shmkv_proc_t *)(base + lay.off_procs);
+    for (uint32_t i = 0; i < cfg->max_procs; i++)
+        for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) procs[i].inflight[j] = SHMKV_NIL;
+    uint32_t *sf = (uint32_t *)(base + lay.off_seq_free);
+    for (uint32_t i = 0; i < cfg->max_seqs; i++) sf[i] = cfg->max_seqs - 1 - i;
+    sh->seq_free_top = cfg->max_seqs;
+    memset(base + lay.off_tables, 0xff, (size_t)cfg->max_seqs * cfg->max_blocks_per_seq * 4u);
+
+    shmkv_header_t *h = (shmkv_header_t *)base;
+    memset(h, 0, sizeof *h);
+    h->magic = SHMKV_MAGIC;
+    h->layout_version = SHMKV_LAYOUT_VERSION;
+    h->header_size = SHMKV_HEADER_SIZE;
+    h->abi_fingerprint = shmkv_abi_fingerprint();
+    h->segment_size = lay.segment_size;
+    h->config = *cfg;
+    h->layout = lay;
+    h->creator_pid = pid;
+    h->create_time_ns = now_ns;
+    h->hash_seed = seed;
+    h->checksum = shmkv_header_checksum(h);
+    shmkv_atomic_store_u32(&sh->state, SHMKV_STATE_READY);   /* publish: seq_cst >= release */
+    return SHMKV_OK;
+}
+
+/* ---- process liveness ---------------------------------------------------------------- */
+/* 1 if some open file description holds the liveness lock of proc slot `slot`, else 0.
+ * Our own OFD never conflicts with itself, so callers treat their own slot separately. */
+static int shmkv_ofd_probe(int fd, uint32_t slot) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_RDLCK;              /* conflicts with the holder's write lock */
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)(SHMKV_LOCK_BASE + slot);
+    fl.l_len = 1;
+    if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return 1;   /* cannot tell: assume alive */
+    return fl.l_type != F_UNLCK;
+}
+
+static inline uint32_t shmkv_token_slot(uint64_t token) { return (uint32_t)(token & 0xffffffffu) - 1u; }
+static inline uint32_t shmkv_token_gen(uint64_t token) { return (uint32_t)(token >> 32); }
+
+/* Is the process behind `token` still attached and alive?  A token whose slot was
+ * released or retaken (gen moved on) is dead. */
+static int shmkv_proc_alive(shmkv_ctx_t *c, uint64_t token) {
+    if (token == 0) return 0;
+    if (token == c->proc_token) return 1;
+    uint32_t slot = shmkv_token_slot(token);
+    if (slot >= c->cfg.max_procs) return 0;
+    shmkv_proc_t *p = &c->procs[slot];
+    if (shmkv_atomic_load_u32(&p->state) != SHMKV_PROC_ACTIVE) return 0;
+    if (shmkv_atomic_load_u32(&p->gen) != shmkv_token_gen(token)) return 0;
+    if (c->lock_fd < 0) return 1;
+    return shmkv_ofd_probe(c->lock_fd, slot);
+}
+
+/* ---- the pool lock --------------------------------------------------------------------- */
+static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r);
+
+/* EOWNERDEAD: the holder died inside a critical section.  The tables are the truth;
+ * rebuild everything derived from them, then mark the mutex consistent. */
+static int shmkv__owner_died(shmkv_ctx_t *c) {
+    shmkv_count(c, SHMKV_C_OWNER_DEAD, 1);
+    shmkv_recovery_t r;
+    int st = shmkv_recover_locked(c, &r);
+    pthread_mutex_consistent(&c->sh->pool_lock);
+    if (st != SHMKV_OK) pthread_mutex_unlock(&c->sh->pool_lock);   /* callers see no lock */
+    return st;
+}
+
+/* Returns OK (locked), EAGAIN (busy; nothing held), or ECORRUPT (not recoverable). */
+static int shmkv_pool_trylock(shmkv_ctx_t *c) {
+    int rc = pthread_mutex_trylock(&c->sh->pool_lock);
+    if (rc == 0) return SHMKV_OK;
+    if (rc == EBUSY) return SHMKV_EAGAIN;
+    if (rc == EOWNERDEAD) return shmkv__owner_died(c);
+    return SHMKV_ECORRUPT;
+}
+
+/* Blocks at most ctx->timeout_ns.  Call without the GIL. */
+static int shmkv_pool_lock(shmkv_ctx_t *c) {
+    int rc = pthread_mutex_trylock(&c->sh->pool_lock);
+    if (rc == EBUSY) {
+        shmkv_count(c, SHMKV_C_LOCK_WAITS, 1);
+        int64_t dl = shmkv_now_ns(CLOCK_REALTIME) + c->timeout_ns;
+        struct timespec ts = { (time_t)(dl / 1000000000LL), (long)(dl % 1000000000LL) };
+        rc = pthread_mutex_timedlock(&c->sh->pool_lock, &ts);
+    }
+    if (rc == 0) return SHMKV_OK;
+    if (rc == EOWNERDEAD) return shmkv__owner_died(c);
+    if (rc == ETIMEDOUT) return SHMKV_ETIMEDOUT;
+    return SHMKV_ECORRUPT;
+}
+
+static inline void shmkv_pool_unlock(shmkv_ctx_t *c) { pthread_mutex_unlock(&c->sh->pool_lock); }
+
+/* ---- sequence ids and the sequence lock ------------------------------------------------- */
+/* sid = gen * max_seqs + slot, gen >= 1: unique among live sequences, stale ids detected. */
+static inline int shmkv_sid_slot(const shmkv_ctx_t *c, int64_t sid, uint32_t *slot) {
+    if (sid < (int64_t)c->cfg.max_seqs) return SHMKV_ENOSEQ;
+    uint64_t s = (uint64_t)sid;
+    uint32_t sl = (uint32_t)(s % c->cfg.max_seqs);
+    uint64_t gen = s / c->cfg.max_seqs;
+    shmkv_seq_t *q = &c->seqs[sl];
+    if (gen != shmkv_atomic_load_u32(&q->gen)) return SHMKV_ENOSEQ;
+    if (shmkv_atomic_load_u32(&q->state) != SHMKV_SEQ_LIVE) return SHMKV_ENOSEQ;
+    *slot = sl;
+    return SHMKV_OK;
+}
+static inline int64_t shmkv_slot_sid(const shmkv_ctx_t *c, uint32_t slot) {
+    return (int64_t)c->seqs[slot].gen * c->cfg.max_seqs + slot;
+}
+
+/* One attempt.  OK: we hold it; EAGAIN: busy; ENOSEQ: no such sequence. */
+static int shmkv_seq_trylock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot) {
+    uint32_t sl;
+    int st = shmkv_sid_slot(c, sid, &sl);
+    if (st != SHMKV_OK) return st;
+    if (!shmkv_atomic_cas_u64(&c->seqs[sl].writer, 0, c->proc_token)) return SHMKV_EAGAIN;
+    /* the slot may have been freed and retaken between the check and the CAS */
+    if (shmkv_sid_slot(c, sid, &sl) != SHMKV_OK) {
+        shmkv_atomic_store_u64_release(&c->seqs[sl].writer, 0);
+        return SHMKV_ENOSEQ;
+    }
+    *slot = sl;
+    return SHMKV_OK;
+}
+
+static inline void shmkv_seq_unlock(shmkv_ctx_t *c, uint32_t slot) {
+    shmkv_atomic_store_u64_release(&c->seqs[slot].writer, 0);
+}
+
+/* Waits at most ctx->timeout_ns; spins briefly, then sleeps with backoff.  Every
+ * millisecond or so it asks whether the holder is alive; a dead holder's lock is taken
+ * over after a recovery pass (which also reclaims what the holder had in flight).
+ * Call without the GIL.  Returns OK, ENOSEQ, ETIMEDOUT or a recovery error. */
+static int shmkv_seq_lock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot) {
+    int st = shmkv_seq_trylock(c, sid, slot);
+    if (st != SHMKV_EAGAIN) return st;
+    shmkv_count(c, SHMKV_C_LOCK_WAITS, 1);
+    int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC), last_probe = t0;
+    long sleep_ns = 1000;
+    for (unsigned spin = 0;; spin++) {
+        if (spin < 200) SHMKV_PAUSE();
+        else if (spin < 400) sched_yield();
+        else {
+            struct timespec ts = { 0, sleep_ns };
+            nanosleep(&ts, NULL);
+            if (sleep_ns < 1000000) sleep_ns *= 2;
+        }
+        st = shmkv_seq_trylock(c, sid, slot);
+        if (st != SHMKV_EAGAIN) return st;
+        int64_t now = shmkv_now_ns(CLOCK_MONOTONIC);
+        if (now - last_probe > 1000000) {
+            last_probe = now;
+            uint32_t sl;
+            if (shmkv_sid_slot(c, sid, &sl) != SHMKV_OK) return SHMKV_ENOSEQ;
+            uint64_t holder = shmkv_atomic_load_u64(&c->seqs[sl].writer);
+            if (holder != 0 && !shmkv_proc_alive(c, holder)) {
+                st = shmkv_pool_lock(c);
+                if (st != SHMKV_OK) return st;
+                shmkv_recovery_t r;
+                st = shmkv_recover_locked(c, &r);    /* clears the lock, frees in-flight */
+                shmkv_pool_unlock(c);
+                if (st != SHMKV_OK) return st;
+                continue;
+            }
+        }
+        if (now - t0 > c->timeout_ns) return SHMKV_ETIMEDOUT;
+    }
+}
+
+/* ---- blocks --------------------------------------------------------------------------- */
+static inline int shmkv_block_ok(const shmkv_ctx_t *c, int64_t b) {
+    return b >= 0 && b < (int64_t)c->cfg.num_blocks;
+}
+static inline int32_t *shmkv_table(const shmkv_ctx_t *c, uint32_t slot) {
+    return c->tables + (size_t)slot * c->cfg.max_blocks_per_seq;
+}
+static inline uint32_t shmkv_blocks_for(const shmkv_ctx_t *c, uint64_t tokens) {
+    return (uint32_t)((tokens + c->cfg.block_size - 1) / c->cfg.block_size);
+}
+
+static void shmkv_lru_unlink_locked(shmkv_ctx_t *c, uint32_t b) {
+    shmkv_block_t *m = &c->blocks[b];
+    uint32_t p = m->lru_prev, n = m->lru_next;
+    if (p < c->cfg.num_blocks) c->blocks[p].lru_next = n; else c->sh->lru_head = n;
+    if (n < c->cfg.num_blocks) c->blocks[n].lru_prev = p; else c->sh->lru_tail = p;
+    m->lru_prev = m->lru_next = SHMKV_NIL;
+    c->sh->cached_count--;
+}
+static void shmkv_lru_push_tail_locked(shmkv_ctx_t *c, uint32_t b) {
+    shmkv_block_t *m = &c->blocks[b];
+    m->lru_next = SHMKV_NIL;
+    m->lru_prev = c->sh->lru_tail;
+    if (c->sh->lru_tail < c->cfg.num_blocks) c->blocks[c->sh->lru_tail].lru_next = b;
+    else c->sh->lru_head = b;
+    c->sh->lru_tail = b;
+    c->sh->cached_count++;
+}
+
+static void shmkv_index_remove_locked(shmkv_ctx_t *c, uint32_t b);
+
+static inline void shmkv__note_peak(shmkv_ctx_t *c) {
+    uint32_t used = c->cfg.num_blocks - c->sh->free_top - c->sh->cached_count;
+    if (used > c->sh->peak_used) c->sh->peak_used = used;
+}
+
+/* Takes n blocks (each leaves with ref_cnt 1), never-cached ones first, then the least
+ * recently used cached ones (their hashes leave the index).  All-or-nothing: EFULL
+ * before any change when fewer than n are free. */
+static int shmkv_blocks_alloc_locked(shmkv_ctx_t *c, uint32_t n, uint32_t *out) {
+    shmkv_shared_t *sh = c->sh;
+    uint32_t ft = sh->free_top, cc = sh->cached_count;
+    if (ft > c->cfg.num_blocks || cc > c->cfg.num_blocks) return SHMKV_ECORRUPT;
+    if ((uint64_t)n > (uint64_t)ft + cc) return SHMKV_EFULL;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t b;
+        if (sh->free_top > 0) {
+            b = c->free_stack[sh->free_top - 1];
+            if (!shmkv_block_ok(c, b) || c->blocks[b].ref_cnt != 0) return SHMKV_ECORRUPT;
+            sh->free_top--;
+        } else {
+            b = sh->lru_head;
+            if (!shmkv_block_ok(c, b) || c->blocks[b].ref_cnt != 0) return SHMKV_ECORRUPT;
+            shmkv_lru_unlink_locked(c, b);
+            shmkv_index_remove_locked(c, b);
+            shmkv_count(c, SHMKV_C_CACHED_EVICTED, 1);
+        }
+        shmkv_block_t *m = &c->blocks[b];
+        m->flags = 0;
+        m->num_tokens = 0;
+        shmkv_atomic_store_u32(&m->ref_cnt, 1);
+        out[i] = b;
+    }
+    shmkv_count(c, SHMKV_C_ALLOCATIONS, n);
+    shmkv__note_peak(c);
+    return SHMKV_OK;
+}
+
+/* Drops one reference.  At zero a hashed block stays findable (CACHED, LRU tail); any
+ * other block goes back on the free stack.  Precondition: shmkv_block_ok(b). */
+static void shmkv_block_decref_locked(shmkv_ctx_t *c, uint32_t b) {
+    shmkv_block_t *m = &c->blocks[b];
+    uint32_t prev = shmkv_atomic_sub_u32(&m->ref_cnt, 1);
+    SHMKV_ASSERT(prev > 0);
+    if (prev != 1) return;
+    shmkv_count(c, SHMKV_C_FREES, 1);
+    if (m->flags & SHMKV_BLOCK_HASHED) {
+        m->last_access = ++c->sh->lru_clock;
+        shmkv_lru_push_tail_locked(c, b);
+    } else {
+        c->free_stack[c->sh->free_top++] = b;
+    }
+}
+
+/* ---- the hash index (block hash -> block id), open addressing ------------------------- */
+static inline int shmkv__hash_empty(const uint64_t *h) { return h[0] == 0 && h[1] == 0; }
+static inline int shmkv__hash_tomb(const uint64_t *h) { return h[0] == 0 && h[1] == 1; }
+
+/* Finds the block holding hash h (NIL if none).  Probing is bounded. */
+static uint32_t shmkv_index_find_locked(shmkv_ctx_t *c, const uint64_t *h) {
+    uint64_t mask = c->lay.index_capacity - 1;
+    uint64_t i = h[0] & mask;
+    for (uint32_t k = 0; k < SHMKV_INDEX_MAX_PROBE; k++, i = (i + 1) & mask) {
+        shmkv_index_t *e = &c->index[i];
+        if (shmkv__hash_empty(e->hash)) return SHMKV_NIL;
+        if (e->hash[0] == h[0] && e->hash[1] == h[1]) {
+            uint32_t b = e->block;
+            if (!shmkv_block_ok(c, b)) return SHMKV_NIL;
+            shmkv_block_t *m = &c->blocks[b];
+            if (!(m->flags & SHMKV_BLOCK_HASHED) || m->hash[0] != h[0] || m->hash[1] != h[1])
+                return SHMKV_NIL;
+            return b;
+        }
+    }
+    return SHMKV_NIL;
+}
+
+/* Inserts hash -> b.  Returns 1 if inserted, 0 if the hash is present already or the
+ * probe bound was hit (the block then simply stays unhashed). */
+static int shmkv_index_insert_locked(shmkv_ctx_t *c, const uint64_t *h, uint32_t b) {
+    if (shmkv__hash_empty(h) || shmkv__hash_tomb(h)) return 0;   /* reserved keys */
+    uint64_t mask = c->lay.index_capacity - 1;
+    uint64_t i = h[0] & mask, slot = UINT64_MAX;
+    for (uint32_t k = 0; k < SHMKV_INDEX_MAX_PROBE; k++, i = (i + 1) & mask) {
+        shmkv_index_t *e = &c->index[i];
+        if (shmkv__hash_empty(e->hash)) { if (slot == UINT64_MAX) slot = i; break; }
+        if (shmkv__hash_tomb(e->hash)) { if (slot == UINT64_MAX) slot = i; continue; }
+        if (e->hash[0] == h[0] && e->hash[1] == h[1]) return 0;
+    }
+    if (slot == UINT64_MAX) return 0;
+    shmkv_index_t *e = &c->index[slot];
+    if (shmkv__hash_tomb(e->hash)) c->sh->index_tombs--;
+    e->block = b;
+    e->hash[1] = h[1];
+    e->hash[0] = h[0];
+    c->sh->index_used++;
+    shmkv_block_t *m = &c->blocks[b];
+    m->hash[0] = h[0];
+    m->hash[1] = h[1];
+    m->flags |= SHMKV_BLOCK_HASHED;
+    return 1;
+}
+
+static void shmkv_index_remove_locked(shmkv_ctx_t *c, uint32_t b) {
+    shmkv_block_t *m = &c->blocks[b];
+    if (!(m->flags & SHMKV_BLOCK_HASHED)) return;
+    uint64_t mask = c->lay.index_capacity - 1;
+    uint64_t i = m->hash[0] & mask;
+    for (uint32_t k = 0; k < SHMKV_INDEX_MAX_PROBE; k++, i = (i + 1) & mask) {
+        shmkv_index_t *e = &c->index[i];
+        if (shmkv__hash_empty(e->hash)) break;
+        if (e->block == b && e->hash[0] == m->hash[0] && e->hash[1] == m->hash[1]) {
+            e->hash[0] = 0;
+            e->hash[1] = 1;      /* tombstone */
+            e->block = SHMKV_NIL;
+            c->sh->index_used--;
+            c->sh->index_tombs++;
+            break;
+        }
+    }
+    m->flags &= ~(uint32_t)SHMKV_BLOCK_HASHED;
+}
+
+/* ---- sequences ------------------------------------------------------------------------ */
+/* Takes a free slot and makes it a LIVE empty sequence owned by us. */
+static int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out) {
+    shmkv_shared_t *sh = c->sh;
+    if (sh->seq_free_top > c->cfg.max_seqs) return SHMKV_ECORRUPT;
+    if (sh->seq_free_top == 0) return SHMKV_ESEQFULL;
+    uint32_t slot = c->seq_free[sh->seq_free_top - 1];
+    if (slot >= c->cfg.max_seqs || c->seqs[slot].state != SHMKV_SEQ_FREE) return SHMKV_ECORRUPT;
+    sh->seq_free_top--;
+    shmkv_seq_t *q = &c->seqs[slot];
+    uint32_t gen = q->gen + 1;
+    if (gen == 0 || (uint64_t)gen * c->cfg.max_seqs + slot > (uint64_t)INT64_MAX) gen = 1;
+    shmkv_atomic_store_u32(&q->gen, gen);
+    q->owner = c->proc_token;
+    shmkv_atomic_store_u64(&q->writer, 0);
+    q->len = 0;
+    q->nblocks = 0;
+    q->hashed = 0;
+    q->priority = priority;
+    q->created_ns = q->last_access_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
+    q->access_count = 0;
+    shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_LIVE);    /* publish */
+    sh->num_seqs++;
+    shmkv_count(c, SHMKV_C_SEQS_CREATED, 1);
+    *sid_out = shmkv_slot_sid(c, slot);
+    return SHMKV_OK;
+}
+
+/* Validates a LIVE sequence's table against the config: nblocks fits, every entry a
+ * valid block, len fits its blocks. */
+static int shmkv_seq_valid(const shmkv_ctx_t *c, uint32_t slot) {
+    const shmkv_seq_t *q = &c->seqs[slot];
+    uint32_t nb = q->nblocks, len = shmkv_atomic_load_u32_relaxed(&q->len);
+    if (nb > c->cfg.max_blocks_per_seq) return SHMKV_ECORRUPT;
+    if ((uint64_t)len > (uint64_t)nb * c->cfg.block_size) return SHMKV_ECORRUPT;
+    const int32_t *t = shmkv_table(c, slot);
+    for (uint32_t i = 0; i < nb; i++) if (!shmkv_block_ok(c, t[i])) return SHMKV_ECORRUPT;
+    return SHMKV_OK;
+}
+
+/* Frees a sequence.  Caller holds the pool lock AND the sequence lock; the kernel
+ * releases the sequence lock itself (the slot may be retaken the moment it is free).
+ * The state store comes first: a death after it leaves a FREE slot whose blocks
+ * recovery recounts from the remaining tables. */
+static int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot) {
+    shmkv_seq_t *q = &c->seqs[slot];
+    int st = shmkv_seq_valid(c, slot);
+    if (st != SHMKV_OK) return st;
+    uint32_t nb = q->nblocks;
+    const int32_t *t = shmkv_table(c, slot);
+    shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
+    for (uint32_t i = 0; i < nb; i++) shmkv_block_decref_locked(c, (uint32_t)t[i]);
+    q->nblocks = 0;
+    q->len = 0;
+    q->hashed = 0;
+    q->owner = 0;
+    c->seq_free[c->sh->seq_free_top++] = slot;
+    c->sh->num_seqs--;
+    shmkv_atomic_store_u64_release(&q->writer, 0);
+    shmkv_count(c, SHMKV_C_SEQS_FREED, 1);
+    return SHMKV_OK;
+}
+
+/* A child shares every block that holds the parent's published tokens (ref_cnt++).
+ * Does not need the parent's sequence lock: the parent's table only changes under the
+ * pool lock, and what lies beyond its published length is not shared. */
+static int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_out) {
+    uint32_t ps;
+    int st = shmkv_sid_slot(c, parent, &ps);
+    if (st != SHMKV_OK) return st;
+    if ((st = shmkv_seq_valid(c, ps)) != SHMKV_OK) return st;
+    shmkv_seq_t *p = &c->seqs[ps];
+    uint32_t len = shmkv_atomic_load_u32_acquire(&p->len);
+    uint32_t nb = shmkv_blocks_for(c, len);
+    if (nb > p->nblocks) return SHMKV_ECORRUPT;
+    int64_t csid;
+    if ((st = shmkv_seq_create_locked(c, p->priority, &csid)) != SHMKV_OK) return st;
+    uint32_t cs = (uint32_t)(csid % c->cfg.max_seqs);
+    shmkv_seq_t *q = &c->seqs[cs];
+    const int32_t *pt = shmkv_table(c, ps);
+    int32_t *ct = shmkv_table(c, cs);
+    for (uint32_t i = 0; i < nb; i++) {
+        ct[i] = pt[i];
+        shmkv_atomic_add_u32(&c->blocks[pt[i]].ref_cnt, 1);
+    }
+    q->nblocks = nb;
+    q->hashed = p->hashed < nb ? p->hashed : nb;
+    shmkv_atomic_store_u32_release(&q->len, len);
+    shmkv_count(c, SHMKV_C_FORKS, 1);
+    *child_out = csid;
+    return SHMKV_OK;
+}
+
+/* ---- growing a sequence ------------------------------------------------------------------ */
+/* What a writer must do before it can place n more tokens after position `len`. */
+typedef struct {
+    uint32_t len;          /* published length when planned */
+    uint32_t new_blocks;   /* blocks to append to the table */
+    int cow;               /* the partial last block is shared: copy it first */
+    uint32_t cow_index;    /* table index of that block */
+} shmkv_grow_plan_t;
+
+/* Caller holds the sequence lock.  No pool lock needed: ref_cnt of our partial last
+ * block can only rise (a fork) after we read it, and a fork shares only what is
+ * already published, never the positions we are about to write. */
+static int shmkv_seq_plan(shmkv_ctx_t *c, uint32_t slot, uint64_t n, shmkv_grow_plan_t *pl) {
+    shmkv_seq_t *q = &c->seqs[slot];
+    uint32_t nb = q->nblocks;
+    uint32_t len = q->len;
+    if (nb > c->cfg.max_blocks_per_seq || (uint64_t)len > (uint64_t)nb * c->cfg.block_size)
+        return SHMKV_ECORRUPT;
+    uint64_t need = ((uint64_t)len + n + c->cfg.block_size - 1) / c->cfg.block_size;
+    if (need > c->cfg.max_blocks_per_seq) return SHMKV_ETOOLONG;
+    pl->len = len;
+    pl->new_blocks = need > nb ? (uint32_t)(need - nb) : 0;
+    pl->cow = 0;
+    pl->cow_index = 0;
+    if (len % c->cfg.block_size != 0) {
+        uint32_t bi = len / c->cfg.block_size;
+        int32_t b = shmkv_table(c, slot)[bi];
+        if (!shmkv_block_ok(c, b)) return SHMKV_ECORRUPT;
+        if (shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) > 1) { pl->cow = 1; pl->cow_index = bi; }
+    }
+    return SHMKV_OK;
+}
+
+/* Allocates what the plan needs: new tail blocks go straight into the table (beyond the
+ * published length nobody reads them, and a death leaves them owned by the sequence);
+ * a copy-on-write target is recorded in our process's in-flight list.  All-or-nothing. */
+static int shmkv_seq_grow_locked(shmkv_ctx_t *c, uint32_t slot, shmkv_grow_plan_t *pl,
+                                 uint32_t *cow_target) {
+    shmkv_seq_t *q = &c->seqs[slot];
+    uint32_t total = pl->new_blocks + (pl->cow ? 1u : 0u);
+    uint32_t fl = SHMKV_NIL;
+    if (pl->cow) {
+        if (c->proc_slot >= c->cfg.max_procs) return SHMKV_EINVAL;
+        shmkv_proc_t *p = &c->procs[c->proc_slot];
+        for (uint32_t i = 0; i < SHMKV_INFLIGHT_PER_PROC; i++)
+            if (p->inflight[i] == SHMKV_NIL) { fl = i; break; }
+        if (fl == SHMKV_NIL) return SHMKV_EAGAIN;    /* all in-flight records busy */
+    }
+    uint32_t got[64];
+    uint32_t *buf = total <= 64 ? got : (uint32_t *)malloc(sizeof(uint32_t) * total);
+    if (buf == NULL) return SHMKV_ESYS;
+    int st = shmkv_blocks_alloc_locked(c, total, buf);
+    if (st == SHMKV_OK) {
+        int32_t *t = shmkv_table(c, slot);
+        uint32_t nb = q->nblocks;
+        for (uint32_t i = 0; i < pl->new_blocks; i++) t[nb + i] = (int32_t)buf[i];
+        shmkv_atomic_store_u32(&q->nblocks, nb + pl->new_blocks);   /* publish the tail */
+        if (pl->cow) {
+            *cow_target = buf[pl->new_blocks];
+            c->procs[c->proc_slot].inflight[fl] = buf[pl->new_blocks];
+        }
+    }
+    if (buf != got) free(buf);
+    return st;
+}
+
+/* Copies the first `tokens` tokens of every layer's K and V from block src to dst.
+ * No lock: src is held by our table (we hold the sequence lock), dst by our in-flight
+ * record. */
+static void shmkv_block_copy(shmkv_ctx_t *c, uint32_t src, uint32_t dst, uint32_t tokens) {
+    uint64_t nbytes = (uint64_t)tokens * c->lay.token_bytes;
+    for (uint32_t l = 0; l < c->cfg.num_layers; l++) {
+        uint64_t lo = (uint64_t)l * c->lay.layer_stride;
+        memcpy(c->kpool + lo + (uint64_t)dst * c->lay.block_bytes,
+               c->kpool + lo + (uint64_t)src * c->lay.block_bytes, nbytes);
+        memcpy(c->vpool + lo + (uint64_t)dst * c->lay.block_bytes,
+               c->vpool + lo + (uint64_t)src * c->lay.block_bytes, nbytes);
+    }
+}
+
+/* Puts the filled copy-on-write target in place of the shared block: one table store
+ * publishes it, then the in-flight record and the old reference are dropped. */
+static int shmkv_seq_cow_commit_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t index,
+                                       uint32_t target) {
+    int32_t *t = shmkv_table(c, slot);
+    int32_t old = t[index];
+    if (!shmkv_block_ok(c, old) || !shmkv_block_ok(c, target)) return SHMKV_ECORRUPT;
+    __atomic_store_n(&t[index], (int32_t)target, __ATOMIC_SEQ_CST);
+    shmkv_proc_t *p = &c->procs[c->proc_slot];
+    for (uint32_t i = 0; i < SHMKV_INFLIGHT_PER_PROC; i++)
+        if (p->inflight[i] == target) { p->inflight[i] = SHMKV_NIL; break; }
+    shmkv_block_decref_locked(c, (uint32_t)old);
+    shmkv_count(c, SHMKV_C_COW_COPIES, 1);
+    return SHMKV_OK;
+}
+
+/* Gives back a copy-on-write target that was never committed (the copy was abandoned). */
+static void shmkv_inflight_release_locked(shmkv_ctx_t *c, uint32_t target) {
+    shmkv_proc_t *p = &c->procs[c->proc_slot];
+    for (uint32_t i = 0; i < SHMKV_INFLIGHT_PER_PROC; i++)
+        if (p->inflight[i] == target) {
+            p->inflight[i] = SHMKV_NIL;
+            shmkv_block_decref_locked(c, target);
+            break;
+        }
+}
+
+/* ---- byte copies between a sequence and dense [layers][n][heads*dim] buffers ------------ */
+/* Caller holds the sequence lock; positions [pos, pos+n) lie inside the table.  Every
+ * table entry used is validated before the first byte moves. */
+static int shmkv_seq_check_span(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n) {
+    if (n == 0) return SHMKV_OK;
+    const shmkv_seq_t *q = &c->seqs[slot];
+    uint32_t nb = q->nblocks;
+    if (nb > c->cfg.max_blocks_per_seq) return SHMKV_ECORRUPT;
+    uint64_t last = (pos + n - 1) / c->cfg.block_size;
+    if (last >= nb) return SHMKV_ECORRUPT;
+    const int32_t *t = shmkv_table(c, slot);
+    for (uint64_t i = pos / c->cfg.block_size; i <= last; i++)
+        if (!shmkv_block_ok(c, t[i])) return SHMKV_ECORRUPT;
+    return SHMKV_OK;
+}
+
+/* to_pool=1: buf -> pool (append); 0: pool -> buf (gather).  buf is [layers][n][token]. */
+static void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+                           uint8_t *pool, uint8_t *buf, int to_pool) {
+    const int32_t *t = shmkv_table(c, slot);
+    const uint64_t tb = c->lay.token_bytes, bs = c->cfg.block_size;
+    for (uint32_t l = 0; l < c->cfg.num_layers; l++) {
+        uint8_t *layer = pool + (uint64_t)l * c->lay.layer_stride;
+        uint8_t *b = buf + (uint64_t)l * n * tb;
+        uint64_t p = pos, rem = n;
+        while (rem) {
+            uint64_t off = p % bs, cnt = bs - off;
+            if (cnt > rem) cnt = rem;
+            uint8_t *blk = layer + ((uint64_t)t[p / bs] * bs + off) * tb;
+            if (to_pool) memcpy(blk, b, cnt * tb); else memcpy(b, blk, cnt * tb);
+            b += cnt * tb;
+            p += cnt;
+            rem -= cnt;
+        }
+    }
+}
+
+/* Slot ids of positions [pos, pos+n) (slot = block * block_size + offset). */
+static void shmkv_seq_slots(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+                            int64_t *out) {
+    const int32_t *t = shmkv_table(c, slot);
+    const uint64_t bs = c->cfg.block_size;
+    for (uint64_t i = 0; i < n; i++, pos++)
+        out[i] = (int64_t)t[pos / bs] * (int64_t)bs + (int64_t)(pos % bs);
+}
+
+/* Scatter of n tokens of one layer into slots (vLLM reshape_and_cache).  All slots are
+ * validated before the first byte moves. */
+static int shmkv_write_slots(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
+                             const uint8_t *k, const uint8_t *v, int64_t *bad) {
+    if (layer >= c->cfg.num_layers) return SHMKV_ERANGE;
+    const int64_t nslots = (int64_t)c->cfg.num_blocks * c->cfg.block_size;
+    for (uint64_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= nslots) { *bad = (int64_t)i; return SHMKV_ERANGE; }
+    const uint64_t tb = c->lay.token_bytes;
+    uint8_t *kl = c->kpool + (uint64_t)layer * c->lay.layer_stride;
+    uint8_t *vl = c->vpool + (uint64_t)layer * c->lay.layer_stride;
+    for (uint64_t i = 0; i < n; i++) {
+        memcpy(kl + (uint64_t)slots[i] * tb, k + i * tb, tb);
+        memcpy(vl + (uint64_t)slots[i] * tb, v + i * tb, tb);
+    }
+    return SHMKV_OK;
+}
+
+/* ---- process registration ------------------------------------------------------------- */
+/* Takes a free process slot: first the OFD liveness lock on its byte, then the fields,
+ * then state ACTIVE -- so no prober ever sees an ACTIVE slot without its lock. */
+static int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid_start) {
+    if (c->lock_fd < 0) return SHMKV_EINVAL;
+    for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
+        shmkv_proc_t *p = &c->procs[s];
+        if (p->state != SHMKV_PROC_FREE) continue;
+        struct flock fl;
+        memset(&fl, 0, sizeof fl);
+        fl.l_type = F_WRLCK;
+        fl.l_whence = SEEK_SET;
+        fl.l_start = (off_t)(SHMKV_LOCK_BASE + s);
+        fl.l_len = 1;
+        if (fcntl(c->lock_fd, F_OFD_SETLK, &fl) != 0) continue;   /* a leaver still holds it */
+        uint32_t gen = p->gen + 1;
+        if (gen == 0) gen = 1;
+        p->pid = pid;
+        p->pid_start = pid_start;
+        p->attach_time_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
+        for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) p->inflight[j] = SHMKV_NIL;
+        shmkv_atomic_store_u32(&p->gen, gen);
+        shmkv_atomic_store_u32(&p->state, SHMKV_PROC_ACTIVE);
+        c->sh->num_procs++;
+        c->proc_slot = s;
+        c->proc_token = ((uint64_t)gen << 32) | (uint64_t)(s + 1);
+        shmkv_count(c, SHMKV_C_PROCS_ATTACHED, 1);
+        return SHMKV_OK;
+    }
+    return SHMKV_EPROCFULL;
+}
+
+/* Leaves the process table.  Our sequences become reclaimable (a recovery pass, which
+ * the caller runs next, frees them unless they were detached). */
+static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
+    if (c->proc_slot >= c->cfg.max_procs) return;
+    shmkv_proc_t *p = &c->procs[c->proc_slot];
+    for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) {
+        uint32_t b = p->inflight[j];
+        p->inflight[j] = SHMKV_NIL;
+        if (shmkv_block_ok(c, b)) shmkv_block_decref_locked(c, b);
+    }
+    shmkv_atomic_store_u32(&p->state, SHMKV_PROC_FREE);
+    if (c->sh->num_procs > 0) c->sh->num_procs--;
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_UNLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)(SHMKV_LOCK_BASE + c->proc_slot);
+    fl.l_len = 1;
+    fcntl(c->lock_fd, F_OFD_SETLK, &fl);
+    c->proc_slot = SHMKV_NIL;
+    c->proc_token = 0;
+}
+
+/* ---- recovery ----------------------------------------------------------------------------- */
+/* Rebuilds every piece of derived state from the truth (the LIVE sequences' tables and
+ * the in-flight records of live processes):
+ *   1. process slots whose holder is dead are released;
+ *   2. sequence slots half-built by a dead holder of the pool lock are released; a
+ *      sequence lock held by a dead process is cleared; sequences whose owner is dead
+ *      (and not detached) are freed; unpublished tail blocks of idle sequences are
+ *      trimmed; a sequence whose table is corrupt is dropped;
+ *   3. every ref_cnt is recounted; the free stack, the LRU list of cached blocks, the
+ *      hash index, the sequence free stack and the counts are rebuilt.
+ * A sequence whose lock a live process holds is left alone (its holder is using it);
+ * the next pass gets it.  Runs under the pool lock; O(num_blocks + table entries). */
+static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
+    int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
+    memset(r, 0, sizeof *r);
+    shmkv_shared_t *sh = c->sh;
+    const uint32_t NB = c->cfg.num_blocks, NS = c->cfg.max_seqs, NP = c->cfg.max_procs;
+    const uint32_t bs = c->cfg.block_size;
+
+    uint32_t nprocs = 0;
+    for (uint32_t s = 0; s < NP; s++) {
+        shmkv_proc_t *p = &c->procs[s];
+        if (p->state == SHMKV_PROC_FREE) continue;
+        uint64_t tok = ((uint64_t)p->gen << 32) | (uint64_t)(s + 1);
+        if (p->state != SHMKV_PROC_ACTIVE || !shmkv_proc_alive(c, tok)) {
+            for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) p->inflight[j] = SHMKV_NIL;
+            shmkv_atomic_store_u32(&p->state, SHMKV_PROC_FREE);
+            r->processes++;
+        } else {
+            nprocs++;
+        }
+    }
+    sh->num_procs = nprocs;
+
+    for (uint32_t s = 0; s < NS; s++) {
+        shmkv_seq_t *q = &c->seqs[s];
+        uint32_t st = shmkv_atomic_load_u32(&q->state);
+        if (st == SHMKV_SEQ_FREE) continue;
+        if (st != SHMKV_SEQ_LIVE) {            /* BUILDING: its builder died holding the lock */
+            shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
+            q->nblocks = 0; q->len = 0; q->owner = 0;
+            shmkv_atomic_store_u64(&q->writer, 0);
+            r->sequences++;
+            continue;
+        }
+        uint64_t w = shmkv_atomic_load_u64(&q->writer);
+        if (w != 0 && !shmkv_proc_alive(c, w)) {
+            if (shmkv_atomic_cas_u64(&q->writer, w, 0)) r->locks++;
+        }
+        /* Everything below changes the table: take the sequence lock (never wait: we
+         * hold the pool lock, and the order is sequence lock first). */
+        uint64_t me = c->proc_token ? c->proc_token : 1;
+        if (!shmkv_atomic_cas_u64(&q->writer, 0, me)) continue;   /* a live holder is busy */
+        if (shmkv_seq_valid(c, s) != SHMKV_OK) {
+            shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
+            q->nblocks = 0; q->len = 0; q->owner = 0;
+            r->corrupt++;
+            r->sequences++;
+        } else if (q->owner != 0 && !shmkv_proc_alive(c, q->owner)) {
+            shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
+            q->nblocks = 0; q->len = 0; q->owner = 0;
+            r->sequences++;
+        } else {
+            uint32_t want = shmkv_blocks_for(c, q->len);
+            if (q->nblocks > want) { r->tails += q->nblocks - want; q->nblocks = want; }
+            if (q->hashed > q->nblocks) q->hashed = q->nblocks;
+        }
+        shmkv_atomic_store_u64_release(&q->writer, 0);
+    }
+
+    /* recount: tables of LIVE sequences + in-flight records of live processes */
+    uint32_t *cnt = (uint32_t *)calloc(NB, sizeof(uint32_t));
+    if (cnt == NULL) return SHMKV_ESYS;
+    uint32_t live = 0;
+    for (uint32_t s = 0; s < NS; s++) {
+        shmkv_seq_t *q = &c->seqs[s];
+        if (q->state != SHMKV_SEQ_LIVE) continue;
+        live++;
+        const int32_t *t = shmkv_table(c, s);
+        uint32_t nb = q->nblocks;
+        if (nb > c->cfg.max_blocks_per_seq) nb = c->cfg.max_blocks_per_seq;  /* busy, unchecked */
+        for (uint32_t i = 0; i < nb; i++)
+            if (shmkv_block_ok(c, t[i])) cnt[t[i]]++;
+    }
+    for (uint32_t s = 0; s < NP; s++) {
+        shmkv_proc_t *p = &c->procs[s];
+        if (p->state != SHMKV_PROC_ACTIVE) continue;
+        for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) {
+            uint32_t b = p->inflight[j];
+            if (b == SHMKV_NIL) continue;
+            if (b < NB) cnt[b]++; else p->inflight[j] = SHMKV_NIL;
+        }
+    }
+    /* the LRU order of cached blocks survives: collect the old list first (bounded) */
+    uint32_t *order = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)NB + 1);
+    uint8_t *seen = (uint8_t *)calloc(NB, 1);
+    if (order == NULL || seen == NULL) { free(cnt); free(order); free(seen); return SHMKV_ESYS; }
+    uint32_t nord = 0;
+    for (uint32_t b = sh->lru_head, k = 0; b < NB && k < NB; b = c->blocks[b].lru_next, k++) {
+        if (seen[b]) break;
+        seen[b] = 1;
+        order[nord++] = b;
+    }
+    for (uint32_t b = 0; b < NB; b++) {
+        shmkv_block_t *m = &c->blocks[b];
+        uint32_t old = shmkv_atomic_load_u32(&m->ref_cnt);
+        if (old != cnt[b]) {
+            r->refcounts_fixed++;
+            if (cnt[b] == 0) r->blocks++;
+            shmkv_atomic_store_u32(&m->ref_cnt, cnt[b]);
+        }
+        m->lru_prev = m->lru_next = SHMKV_NIL;
+    }
+    /* index: rebuilt from the hashed blocks */
+    memset(c->index, 0, c->lay.index_capacity * sizeof(shmkv_index_t));
+    sh->index_used = sh->index_tombs = 0;
+    for (uint32_t b = 0; b < NB; b++) {
+        shmkv_block_t *m = &c->blocks[b];
+        if (!(m->flags & SHMKV_BLOCK_HASHED)) continue;
+        m->flags &= ~(uint32_t)SHMKV_BLOCK_HASHED;
+        uint64_t h[2] = { m->hash[0], m->hash[1] };
+        shmkv_index_insert_locked(c, h, b);
+    }
+    /* free stack and LRU list */
+    sh->free_top = 0;
+    sh->cached_count = 0;
+    sh->lru_head = sh->lru_tail = SHMKV_NIL;
+    for (uint32_t k = 0; k < nord; k++) {
+        uint32_t b = order[k];
+        if (cnt[b] == 0 && (c->blocks[b].flags & SHMKV_BLOCK_HASHED)) {
+            shmkv_lru_push_tail_locked(c, b);
+            seen[b] = 2;
+        }
+    }
+    for (uint32_t b = 0; b < NB; b++) {
+        if (cnt[b] != 0 || seen[b] == 2) continue;
+        if (c->blocks[b].flags & SHMKV_BLOCK_HASHED) shmkv_lru_push_tail_locked(c, b);
+    }
+    for (uint32_t b = NB; b-- > 0;) {
+        if (cnt[b] == 0 && !(c->blocks[b].flags & SHMKV_BLOCK_HASHED))
+            c->free_stack[sh->free_top++] = b;
+    }
+    free(cnt); free(order); free(seen);
+
+    /* sequence free stack */
+    sh->seq_free_top = 0;
+    for (uint32_t s = NS; s-- > 0;)
+        if (c->seqs[s].state == SHMKV_SEQ_FREE) c->seq_free[sh->seq_free_top++] = s;
+    sh->num_seqs = live;
+
+    r->duration_ns = (uint64_t)(shmkv_now_ns(CLOCK_MONOTONIC) - t0);
+    sh->last_recovery_ns = r->duration_ns;
+    if (r->duration_ns > sh->max_recovery_ns) sh->max_recovery_ns = r->duration_ns;
+    shmkv_count(c, SHMKV_C_RECOVERIES, 1);
+    shmkv_count(c, SHMKV_C_RECLAIMED_SEQS, r->sequences);
+    shmkv_count(c, SHMKV_C_RECLAIMED_BLOCKS, r->blocks);
+    return SHMKV_OK;
+}
+
+#endif /* SHMKV_KERNELS_H */

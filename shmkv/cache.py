@@ -1,0 +1,100 @@
+"""KVCache: the public handle of a shmkv segment.
+
+The methods on the decode loop's path (append, reserve, write, gather, fork, free, ...)
+are implemented in Cython by ``_core.Segment`` and inherited here, so a call costs one
+Python-to-C transition; this module adds the constructors and the context manager.
+"""
+from __future__ import annotations
+
+from ._core import Segment
+from .config import CacheConfig
+
+__all__ = ["KVCache"]
+
+
+class KVCache(Segment):
+    """A paged KV cache in one POSIX shared-memory segment.
+
+    Every process that attaches the same name shares one block pool, one free list,
+    one set of sequences and block tables.  Use :meth:`create` once, :meth:`attach`
+    everywhere else, and :meth:`close` (or ``with``) when done.
+    """
+
+    @classmethod
+    def create(cls, name: str, config: CacheConfig, *, mode: int = 0o600,
+               prefault: bool = True) -> "KVCache":
+        """Create a new segment.
+
+        Parameters
+        ----------
+        name : str
+            ``"llama-cache"``; a leading ``/`` is accepted and ignored.
+        config : CacheConfig
+        mode : int
+            Permission bits of the segment, exact whatever the umask (default 0o600).
+        prefault : bool
+            Map with MAP_POPULATE so the first decode step pays no page faults.
+
+        Raises
+        ------
+        FileExistsError
+            The name exists already (of two racing creators, exactly one wins).
+        OSError
+            ``/dev/shm`` cannot hold the segment (nothing is left behind).
+        """
+        return cls._create(name, config, mode, prefault)
+
+    @classmethod
+    def attach(cls, name: str, *, prefault: bool = True, timeout: float = 10.0) -> "KVCache":
+        """Attach an existing segment.
+
+        Waits up to ``timeout`` seconds for a segment whose creator is still building it.
+
+        Raises
+        ------
+        FileNotFoundError
+            No segment has that name.
+        SegmentError
+            Not a shmkv segment, an incompatible layout version, or a corrupt header.
+        """
+        return cls._attach(name, prefault, timeout)
+
+    @classmethod
+    def open(cls, name: str, config: CacheConfig, *, mode: int = 0o600,
+             prefault: bool = True, timeout: float = 10.0) -> "KVCache":
+        """Create the segment, or attach it if it exists (a race of many openers is
+        safe: one creates, the others wait for it to be ready).
+
+        Raises
+        ------
+        SegmentError
+            The existing segment has another config.
+        """
+        while True:
+            try:
+                return cls._create(name, config, mode, prefault)
+            except FileExistsError:
+                pass
+            try:
+                cache = cls._attach(name, prefault, timeout)
+            except FileNotFoundError:   # unlinked between the two calls: try again
+                continue
+            if cache.config != config:
+                cache.close()
+                raise SegmentError(
+                    f"open({name!r}): the segment exists with config {cache.config}, "
+                    f"expected {config}")
+            return cache
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<KVCache {self.name!r} {state} {self.config}>"
+
+
+from .errors import SegmentError  # noqa: E402  (after the class, no import cycle)

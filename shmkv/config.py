@@ -1,0 +1,144 @@
+"""CacheConfig: the shape of a cache, immutable and validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+__all__ = ["CacheConfig", "DTYPES", "HASHES"]
+
+#: dtype name -> (code stored in the segment, bytes per element)
+DTYPES = {"float16": (1, 2), "float32": (2, 4), "bfloat16": (3, 2), "int8": (4, 1)}
+#: block-hash algorithm name -> code stored in the segment
+HASHES = {"fast": 1, "sha256": 2}
+
+# Mirrors the SHMKV_MAX_* limits of _layout.h (checked again in C, where they are the law).
+_LIMITS = {
+    "num_layers": 4096,
+    "num_kv_heads": 4096,
+    "head_dim": 65536,
+    "block_size": 65536,
+    "num_blocks": 0x7FFFFFFE,
+    "max_seqs": 1 << 24,
+    "max_procs": 4096,
+}
+
+
+def _check_int(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np  # numpy integers are integers too
+
+            if isinstance(value, np.integer):
+                return _check_int(name, int(value), lo, hi)
+        except ImportError:  # pragma: no cover
+            pass
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: expected {lo} <= {name} <= {hi}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Shape of a paged KV cache.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+        Model shape.  Each layer has a K and a V pool of
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    num_blocks : int
+        Physical blocks in the pool, shared by all layers (one block id names the same
+        position in every layer's pool).
+    block_size : int
+        Tokens per block.
+    dtype : {"float16", "float32", "bfloat16", "int8"}
+        Element type.  ``bfloat16`` needs the ``ml_dtypes`` package for numpy arrays.
+    max_seqs : int
+        Sequence slots in the segment.
+    max_seq_len : int or None
+        Longest sequence in tokens; rounded up to a multiple of ``block_size``.  ``None``
+        (default) lets one sequence take the whole pool.  It sizes the block tables:
+        ``max_seqs * max_seq_len / block_size * 4`` bytes.
+    max_procs : int
+        Process-table slots: processes that may be attached at once.
+    hash : {"fast", "sha256"}
+        Block-hash function of the prefix cache, fixed per segment.
+
+    Raises
+    ------
+    ValueError
+        Naming the field, for any value out of range.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int = 16
+    dtype: str = "float16"
+    max_seqs: int = 1024
+    max_seq_len: Optional[int] = None
+    max_procs: int = 64
+    hash: str = "fast"
+
+    def __post_init__(self):
+        for name, hi in _LIMITS.items():
+            _check_int(name, getattr(self, name), 1, hi)
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.hash not in HASHES:
+            raise ValueError(f"hash: expected one of {sorted(HASHES)}, got {self.hash!r}")
+        whole = self.num_blocks * self.block_size
+        if self.max_seq_len is None:
+            msl = whole
+        else:
+            _check_int("max_seq_len", self.max_seq_len, 1, whole)
+            msl = -(-int(self.max_seq_len) // self.block_size) * self.block_size
+        object.__setattr__(self, "max_seq_len", msl)
+        if self.dtype == "bfloat16":
+            try:
+                import ml_dtypes  # noqa: F401
+            except ImportError:
+                raise ValueError("dtype: 'bfloat16' needs the ml_dtypes package") from None
+        # Sizes the C layout would reject (a segment over 2^48 bytes) fail here too.
+        from . import _core
+
+        _core.layout_of(self)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPES[self.dtype][1]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of one block table."""
+        return self.max_seq_len // self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K+V bytes of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K+V bytes of one block over all layers."""
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def numpy_dtype(self):
+        """The numpy dtype of the pools."""
+        import numpy as np
+
+        if self.dtype == "bfloat16":
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(self.dtype)
+
+    def segment_size(self) -> int:
+        """Bytes of the shared-memory segment this config lays out."""
+        from . import _core
+
+        return _core.layout_of(self)["segment_size"]

@@ -1,0 +1,37 @@
+"""The exception types of shared/API.md.
+
+Every shmkv error derives from :class:`ShmkvError`; where a builtin describes the same
+situation the class derives from it too (``except MemoryError`` and ``except KeyError``
+keep working), in the manner of pyarrow's errors.
+"""
+
+__all__ = [
+    "ShmkvError",
+    "CacheFullError",
+    "SequenceNotFound",
+    "SegmentError",
+    "LockTimeout",
+]
+
+
+class ShmkvError(Exception):
+    """Base class of every error raised by shmkv."""
+
+
+class CacheFullError(ShmkvError, MemoryError):
+    """The block pool or the sequence slots are exhausted; the call had no effect."""
+
+
+class SequenceNotFound(ShmkvError, KeyError):
+    """The sequence id is unknown or was freed."""
+
+    def __str__(self):  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SegmentError(ShmkvError):
+    """Not a shmkv segment, an incompatible layout version, or a corrupt segment."""
+
+
+class LockTimeout(ShmkvError, TimeoutError):
+    """A lock stayed held by a live process for longer than the wait bound."""
