@@ -33,6 +33,15 @@ cdef extern from "_kernels.h" nogil:
         uint32_t len, new_blocks, cow_index
         int cow
 
+    int SHMKV_NCRASH
+    const char *SHMKV_CRASH_NAMES[]
+    int shmkv_crash_id
+    long shmkv_crash_countdown
+    void shmkv_crash(int id)
+    int SHMKV_CP_COW_AFTER_COPY, SHMKV_CP_APPEND_BEFORE_PUBLISH, SHMKV_CP_APPEND_AFTER_PUBLISH
+    double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters)
+    double shmkv_bench_memcpy(uint8_t *dst, const uint8_t *src, uint64_t nbytes,
+                              uint64_t span, uint64_t iters)
     int64_t shmkv_now_ns(int clk)
     void shmkv_count(shmkv_ctx_t *c, int which, uint64_t v)
     int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int readonly)

@@ -37,6 +37,7 @@ cdef extern from "<time.h>" nogil:
 LAYOUT_VERSION = SHMKV_LAYOUT_VERSION
 ABI_FINGERPRINT = shmkv_abi_fingerprint()
 PAGE_SIZE = SHMKV_PAGE
+CRASH_POINTS = tuple(SHMKV_CRASH_NAMES[i].decode() for i in range(1, SHMKV_NCRASH))
 COUNTER_NAMES = tuple(SHMKV_COUNTER_NAMES[i].decode() for i in range(SHMKV_NCOUNTERS))
 
 _DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
@@ -323,7 +324,7 @@ os.register_at_fork(after_in_child=_after_fork_child)
 
 
 cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populate,
-                       double timeout):
+                       double timeout, bint recover=True):
     """Opens (or creates) the named segment and returns this process's attachment."""
     cdef shmkv_config_t ccfg
     cdef shmkv_layout_t lay
@@ -409,12 +410,13 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
         att.register()
         with _attach_lock:
             _attachments[key] = att
-        # recovery on attach: whatever dead processes left behind is reclaimed now
-        _pool_lock(&att.ctx)
-        try:
-            st = shmkv_recover_locked(&att.ctx, &r)
-        finally:
-            shmkv_pool_unlock(&att.ctx)
+        if recover:
+            # recovery on attach: whatever dead processes left behind is reclaimed now
+            _pool_lock(&att.ctx)
+            try:
+                st = shmkv_recover_locked(&att.ctx, &r)
+            finally:
+                shmkv_pool_unlock(&att.ctx)
         return att
     except BaseException:
         if m is None or not (att is not None and att.fd == fd):
@@ -464,9 +466,9 @@ cdef class Segment:
         return self
 
     @classmethod
-    def _attach(cls, name, bint populate=True, double timeout=10.0):
+    def _attach(cls, name, bint populate=True, double timeout=10.0, bint recover=True):
         cdef Segment self = cls.__new__(cls)
-        self._bind(_open(_norm_name(name), False, None, 0, populate, timeout))
+        self._bind(_open(_norm_name(name), False, None, 0, populate, timeout, recover))
         return self
 
     cdef inline shmkv_ctx_t *_c(self) except NULL:
@@ -597,6 +599,7 @@ cdef class Segment:
         try:
             with nogil:
                 shmkv_block_copy(c, src, target, pl.len % c.cfg.block_size)
+            shmkv_crash(SHMKV_CP_COW_AFTER_COPY)
             _pool_lock(c)
             st = shmkv_seq_cow_commit_locked(c, slot, pl.cow_index, target)
             shmkv_pool_unlock(c)
@@ -701,7 +704,9 @@ cdef class Segment:
             with nogil:
                 shmkv_seq_copy(c, slot, pl.len, n, c.kpool, kb, 1)
                 shmkv_seq_copy(c, slot, pl.len, n, c.vpool, vb, 1)
+            shmkv_crash(SHMKV_CP_APPEND_BEFORE_PUBLISH)
             shmkv_atomic_store_u32_release(&c.seqs[slot].len, <uint32_t>(pl.len + n))
+            shmkv_crash(SHMKV_CP_APPEND_AFTER_PUBLISH)
             shmkv_count(c, SHMKV_C_APPENDED_TOKENS, n)
         finally:
             shmkv_seq_unlock(c, slot)
@@ -1306,3 +1311,174 @@ cdef list _check_locked(shmkv_ctx_t *c):
     if len(bad) > 200:
         bad = bad[:200] + [f"... and {len(bad) - 200} more"]
     return bad
+
+
+# --------------------------------------------------------------------------------------
+# read-only inspection: no lock, no registration, bounded reads, torn values tolerated
+# --------------------------------------------------------------------------------------
+def snapshot(name, *, bint tables=True):
+    """Copy out everything an operator may want to see of a segment, read-only.
+
+    Maps the segment PROT_READ, takes no lock and registers nothing, so it works on a
+    segment whose processes are all dead and never changes one.  Values another process
+    is changing may be torn; every index is clamped before use, so a corrupt or hostile
+    segment gives SegmentError or odd numbers, never a crash.
+
+    Raises FileNotFoundError, PermissionError or SegmentError.
+    """
+    name = _norm_name(name)
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except posix_ipc.ExistentialError:
+        raise FileNotFoundError(f"segment {name!r} does not exist") from None
+    except posix_ipc.PermissionsError as e:
+        raise PermissionError(f"segment {name!r}: {e}") from None
+    fd = os.dup(shm.fd)
+    shm.close_fd()
+    try:
+        size = os.fstat(fd).st_size
+        if size < SHMKV_PAGE:
+            raise SegmentError(f"{name}: {size} bytes, too small for a shmkv segment")
+        m = _Mapping.map(fd, size, False, False)
+        return _snapshot(name, m, fd, tables)
+    finally:
+        os.close(fd)
+
+
+cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
+    cdef shmkv_ctx_t ctx
+    cdef shmkv_ctx_t *c = &ctx
+    cdef int st = shmkv_ctx_bind(c, m.base, m.size, 1)
+    if st != SHMKV_OK:
+        exc, text = _STATUS.get(st, (SegmentError, f"status {st}"))
+        raise SegmentError(f"{name}: {text}")
+    c.lock_fd = fd
+    cdef shmkv_shared_t *sh = c.sh
+    cdef uint32_t NB = c.cfg.num_blocks, NS = c.cfg.max_seqs, NP = c.cfg.max_procs
+    cdef uint32_t s, b, nb, ln, j
+    cdef uint64_t tok, owner_slot
+    cdef shmkv_seq_t q
+    cdef shmkv_proc_t p
+    cdef cnp.npy_intp dims[1]
+    cfg = _cfg_object(&c.cfg)
+    procs = []
+    alive_tokens = {}
+    for s in range(NP):
+        memcpy(&p, &c.procs[s], sizeof(shmkv_proc_t))
+        if p.state == SHMKV_PROC_FREE:
+            continue
+        tok = (<uint64_t>p.gen << 32) | (s + 1)
+        alive = p.state == SHMKV_PROC_ACTIVE and shmkv_ofd_probe(fd, s) == 1
+        alive_tokens[tok] = alive
+        procs.append(dict(slot=s, pid=p.pid, pid_start=p.pid_start, gen=p.gen,
+                          attach_time_ns=p.attach_time_ns, alive=alive,
+                          inflight=[x for x in p.inflight[:SHMKV_INFLIGHT_PER_PROC]
+                                    if x != SHMKV_NIL]))
+    dims[0] = NB
+    refcnt = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT32, 0)
+    flags = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT32, 0)
+    cdef uint32_t[:] rv = refcnt
+    cdef uint32_t[:] fv = flags
+    for b in range(NB):
+        rv[b] = shmkv_atomic_load_u32_relaxed(&c.blocks[b].ref_cnt)
+        fv[b] = c.blocks[b].flags
+    seqs = []
+    for s in range(NS):
+        memcpy(&q, &c.seqs[s], sizeof(shmkv_seq_t))
+        if q.state != SHMKV_SEQ_LIVE:
+            continue
+        nb = min(q.nblocks, c.cfg.max_blocks_per_seq)
+        ln = min(q.len, nb * c.cfg.block_size)
+        owner_slot = (q.owner & 0xffffffff) - 1 if q.owner else 0
+        owner_pid = None
+        if q.owner and owner_slot < NP:
+            owner_pid = c.procs[owner_slot].pid
+        d = dict(sid=<int64_t>q.gen * NS + s, slot=s, len=q.len, nblocks=q.nblocks,
+                 owner_token=q.owner, owner_pid=owner_pid, detached=q.owner == 0,
+                 owner_alive=alive_tokens.get(q.owner, False) if q.owner else None,
+                 writer_token=q.writer,
+                 writer_alive=alive_tokens.get(q.writer, False) if q.writer else None,
+                 priority=q.priority, hashed=q.hashed, created_ns=q.created_ns,
+                 last_access_ns=q.last_access_ns, access_count=q.access_count,
+                 consistent=q.len <= nb * c.cfg.block_size and q.nblocks <= c.cfg.max_blocks_per_seq)
+        if want_tables:
+            dims[0] = nb
+            t = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT32, 0)
+            if nb:
+                memcpy(cnp.PyArray_DATA(t), shmkv_table(c, s), nb * sizeof(int32_t))
+            d["table"] = t
+        seqs.append(d)
+    counters = {COUNTER_NAMES[j]: shmkv_atomic_load_u64_relaxed(&sh.counters[j])
+                for j in range(SHMKV_NCOUNTERS)}
+    free_top = min(sh.free_top, NB)
+    cached = min(sh.cached_count, NB)
+    return dict(
+        name=name, segment_size=c.size, layout_version=c.hdr.layout_version,
+        abi_fingerprint=c.hdr.abi_fingerprint, creator_pid=c.hdr.creator_pid,
+        create_time_ns=c.hdr.create_time_ns, hash_seed=c.hdr.hash_seed,
+        config=cfg, layout=_layout_dict(&c.lay),
+        free_blocks=free_top + cached, cached_blocks=cached,
+        used_blocks=NB - min(NB, free_top + cached),
+        num_sequences=sh.num_seqs, num_processes=sh.num_procs, peak_used_blocks=sh.peak_used,
+        index_entries=sh.index_used, last_recovery_s=sh.last_recovery_ns / 1e9,
+        max_recovery_s=sh.max_recovery_ns / 1e9, counters=counters,
+        processes=procs, sequences=seqs, ref_cnt=refcnt, block_flags=flags)
+
+
+# --------------------------------------------------------------------------------------
+# test and benchmark hooks
+# --------------------------------------------------------------------------------------
+def set_crash_point(name, long countdown=1):
+    """Arm a crash point in this process: the `countdown`-th time execution passes the
+    named point, the process calls _exit(86) right there.  None disarms.  For the chaos
+    harness; see CRASH_POINTS.  Also armed from the environment at import:
+    SHMKV_CRASH_POINT=name[:countdown]."""
+    global shmkv_crash_id, shmkv_crash_countdown
+    if name is None:
+        shmkv_crash_id = 0
+        return
+    if name not in CRASH_POINTS:
+        raise ValueError(f"crash point: expected one of {CRASH_POINTS}, got {name!r}")
+    if countdown < 1:
+        raise ValueError(f"countdown: expected >= 1, got {countdown}")
+    shmkv_crash_countdown = countdown
+    shmkv_crash_id = CRASH_POINTS.index(name) + 1
+
+
+def _arm_from_env():
+    spec = os.environ.get("SHMKV_CRASH_POINT")
+    if spec:
+        name, _, n = spec.partition(":")
+        set_crash_point(name, int(n) if n else 1)
+
+_arm_from_env()
+
+
+def bench_alloc_free(Segment cache, uint64_t iters=1000000):
+    """Kernel-only ns per block alloc+free (pool lock included), no Python in the loop."""
+    cdef shmkv_ctx_t *c = cache._c()
+    cdef double r
+    with nogil:
+        r = shmkv_bench_alloc_free(c, iters)
+    if r < 0:
+        raise CacheFullError("bench_alloc_free: no free block")
+    return r
+
+
+def bench_memcpy(uint64_t nbytes, uint64_t iters=1000, uint64_t span=0):
+    """ns per plain memcpy of nbytes (the physical floor), src/dst walking `span` bytes
+    (default nbytes: hot; larger than the last-level cache: cold)."""
+    if span < nbytes:
+        span = nbytes
+    cdef uint8_t *src = <uint8_t *>malloc(span + 64)
+    cdef uint8_t *dst = <uint8_t *>malloc(span + 64)
+    cdef double r
+    if src == NULL or dst == NULL:
+        free(src); free(dst)
+        raise MemoryError()
+    memset(src, 1, span)
+    memset(dst, 2, span)
+    with nogil:
+        r = shmkv_bench_memcpy(dst, src, nbytes, span, iters)
+    free(src); free(dst)
+    return r

@@ -37,6 +37,37 @@
 #define SHMKV_PAUSE() ((void)0)
 #endif
 
+/* ---- crash points: the chaos harness makes a process _exit() at a named line -------- */
+/* Process-local (never shared).  Off unless set_crash_point() armed one; the check is one
+ * predictable branch.  Points sit inside every critical section and between the steps
+ * of every multi-step operation. */
+#define SHMKV_CRASH_POINTS(X) \
+    X(ALLOC_MID, "alloc_mid")               /* pool lock: some blocks popped */          \
+    X(GROW_BEFORE_TAIL, "grow_before_tail") /* pool lock: table written, nblocks not */   \
+    X(GROW_AFTER_TAIL, "grow_after_tail")   /* pool lock: tail published */              \
+    X(COW_AFTER_COPY, "cow_after_copy")     /* seq lock: copy made, not committed */     \
+    X(COW_COMMIT_MID, "cow_commit_mid")     /* pool lock: table swapped, old ref held */ \
+    X(APPEND_BEFORE_PUBLISH, "append_before_publish") /* data written, len not */        \
+    X(APPEND_AFTER_PUBLISH, "append_after_publish")   /* len published, seq lock held */ \
+    X(FREE_MID, "free_mid")                 /* pool lock: state FREE, half decref'd */  \
+    X(FORK_MID, "fork_mid")                 /* pool lock: child half built */            \
+    X(CREATE_MID, "create_mid")             /* pool lock: slot taken, not counted */     \
+    X(GATHER_MID, "gather_mid")             /* seq lock: half the layers copied */       \
+    X(RECOVER_MID, "recover_mid")           /* pool lock: refcounts recounted, lists not */
+
+#define SHMKV_X_ENUM(id, name) SHMKV_CP_##id,
+enum { SHMKV_CP_NONE = 0, SHMKV_CRASH_POINTS(SHMKV_X_ENUM) SHMKV_NCRASH };
+#undef SHMKV_X_ENUM
+#define SHMKV_X_NAME(id, name) name,
+static const char *SHMKV_CRASH_NAMES[] = { "none", SHMKV_CRASH_POINTS(SHMKV_X_NAME) NULL };
+#undef SHMKV_X_NAME
+static int shmkv_crash_id = 0;
+static long shmkv_crash_countdown = 0;
+static inline void shmkv_crash(int id) {
+    if (__builtin_expect(shmkv_crash_id == id, 0) && --shmkv_crash_countdown <= 0) _exit(86);
+}
+#define SHMKV_CRASH(id) shmkv_crash(SHMKV_CP_##id)
+
 /* ---- the process-local view of a segment (never in shared memory) ---------------- */
 typedef struct {
     uint8_t *base;
@@ -386,6 +417,7 @@ static int shmkv_blocks_alloc_locked(shmkv_ctx_t *c, uint32_t n, uint32_t *out) 
             shmkv_index_remove_locked(c, b);
             shmkv_count(c, SHMKV_C_CACHED_EVICTED, 1);
         }
+        if (i == n / 2) SHMKV_CRASH(ALLOC_MID);
         shmkv_block_t *m = &c->blocks[b];
         m->flags = 0;
         m->num_tokens = 0;
@@ -504,6 +536,7 @@ static int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *s
     q->created_ns = q->last_access_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
     q->access_count = 0;
     shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_LIVE);    /* publish */
+    SHMKV_CRASH(CREATE_MID);
     sh->num_seqs++;
     shmkv_count(c, SHMKV_C_SEQS_CREATED, 1);
     *sid_out = shmkv_slot_sid(c, slot);
@@ -533,7 +566,10 @@ static int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot) {
     uint32_t nb = q->nblocks;
     const int32_t *t = shmkv_table(c, slot);
     shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
-    for (uint32_t i = 0; i < nb; i++) shmkv_block_decref_locked(c, (uint32_t)t[i]);
+    for (uint32_t i = 0; i < nb; i++) {
+        if (i == nb / 2) SHMKV_CRASH(FREE_MID);
+        shmkv_block_decref_locked(c, (uint32_t)t[i]);
+    }
     q->nblocks = 0;
     q->len = 0;
     q->hashed = 0;
@@ -564,6 +600,7 @@ static int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_
     const int32_t *pt = shmkv_table(c, ps);
     int32_t *ct = shmkv_table(c, cs);
     for (uint32_t i = 0; i < nb; i++) {
+        if (i == nb / 2) SHMKV_CRASH(FORK_MID);
         ct[i] = pt[i];
         shmkv_atomic_add_u32(&c->blocks[pt[i]].ref_cnt, 1);
     }
@@ -631,7 +668,9 @@ static int shmkv_seq_grow_locked(shmkv_ctx_t *c, uint32_t slot, shmkv_grow_plan_
         int32_t *t = shmkv_table(c, slot);
         uint32_t nb = q->nblocks;
         for (uint32_t i = 0; i < pl->new_blocks; i++) t[nb + i] = (int32_t)buf[i];
+        SHMKV_CRASH(GROW_BEFORE_TAIL);
         shmkv_atomic_store_u32(&q->nblocks, nb + pl->new_blocks);   /* publish the tail */
+        SHMKV_CRASH(GROW_AFTER_TAIL);
         if (pl->cow) {
             *cow_target = buf[pl->new_blocks];
             c->procs[c->proc_slot].inflight[fl] = buf[pl->new_blocks];
@@ -663,6 +702,7 @@ static int shmkv_seq_cow_commit_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t i
     int32_t old = t[index];
     if (!shmkv_block_ok(c, old) || !shmkv_block_ok(c, target)) return SHMKV_ECORRUPT;
     __atomic_store_n(&t[index], (int32_t)target, __ATOMIC_SEQ_CST);
+    SHMKV_CRASH(COW_COMMIT_MID);
     shmkv_proc_t *p = &c->procs[c->proc_slot];
     for (uint32_t i = 0; i < SHMKV_INFLIGHT_PER_PROC; i++)
         if (p->inflight[i] == target) { p->inflight[i] = SHMKV_NIL; break; }
@@ -704,6 +744,7 @@ static void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t
     const int32_t *t = shmkv_table(c, slot);
     const uint64_t tb = c->lay.token_bytes, bs = c->cfg.block_size;
     for (uint32_t l = 0; l < c->cfg.num_layers; l++) {
+        if (!to_pool && l == c->cfg.num_layers / 2) SHMKV_CRASH(GATHER_MID);
         uint8_t *layer = pool + (uint64_t)l * c->lay.layer_stride;
         uint8_t *b = buf + (uint64_t)l * n * tb;
         uint64_t p = pos, rem = n;
@@ -914,6 +955,7 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
         }
         m->lru_prev = m->lru_next = SHMKV_NIL;
     }
+    SHMKV_CRASH(RECOVER_MID);
     /* index: rebuilt from the hashed blocks */
     memset(c->index, 0, c->lay.index_capacity * sizeof(shmkv_index_t));
     sh->index_used = sh->index_tombs = 0;
@@ -958,6 +1000,34 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
     shmkv_count(c, SHMKV_C_RECLAIMED_SEQS, r->sequences);
     shmkv_count(c, SHMKV_C_RECLAIMED_BLOCKS, r->blocks);
     return SHMKV_OK;
+}
+
+/* ---- kernel-only timing hooks (loops in C, no Python): how much is call overhead ---- */
+/* ns per alloc+free of one block, pool lock included. */
+static double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters) {
+    uint32_t b;
+    int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
+    for (uint64_t i = 0; i < iters; i++) {
+        if (shmkv_pool_lock(c) != SHMKV_OK) return -1;
+        if (shmkv_blocks_alloc_locked(c, 1, &b) != SHMKV_OK) { shmkv_pool_unlock(c); return -1; }
+        shmkv_block_decref_locked(c, b);
+        shmkv_pool_unlock(c);
+    }
+    return (double)(shmkv_now_ns(CLOCK_MONOTONIC) - t0) / (double)iters;
+}
+
+/* ns per memcpy of nbytes; src/dst walk a working set of `span` bytes (>= nbytes) so a
+ * span larger than the caches measures cold copies. */
+static double shmkv_bench_memcpy(uint8_t *dst, const uint8_t *src, uint64_t nbytes,
+                                 uint64_t span, uint64_t iters) {
+    uint64_t off = 0;
+    int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
+    for (uint64_t i = 0; i < iters; i++) {
+        memcpy(dst + off, src + off, nbytes);
+        off += nbytes;
+        if (off + nbytes > span) off = 0;
+    }
+    return (double)(shmkv_now_ns(CLOCK_MONOTONIC) - t0) / (double)iters;
 }
 
 #endif /* SHMKV_KERNELS_H */

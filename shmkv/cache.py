@@ -45,10 +45,12 @@ class KVCache(Segment):
         return cls._create(name, config, mode, prefault)
 
     @classmethod
-    def attach(cls, name: str, *, prefault: bool = True, timeout: float = 10.0) -> "KVCache":
+    def attach(cls, name: str, *, prefault: bool = True, timeout: float = 10.0,
+               recover: bool = True) -> "KVCache":
         """Attach an existing segment.
 
         Waits up to ``timeout`` seconds for a segment whose creator is still building it.
+        With ``recover`` (default) a recovery pass reclaims what dead processes left.
 
         Raises
         ------
@@ -57,7 +59,7 @@ class KVCache(Segment):
         SegmentError
             Not a shmkv segment, an incompatible layout version, or a corrupt header.
         """
-        return cls._attach(name, prefault, timeout)
+        return cls._attach(name, prefault, timeout, recover)
 
     @classmethod
     def open(cls, name: str, config: CacheConfig, *, mode: int = 0o600,

@@ -1,0 +1,66 @@
+# shmkv -- every target sets itself up from nothing: a virtualenv in .venv, the build
+# dependencies, and the package installed (not editable) from this checkout.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+DEPS   := $(VENV)/.deps
+BUILT  := $(VENV)/.built
+SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.h) setup.py pyproject.toml
+PYTEST_ARGS ?=
+
+.PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean
+
+all: install
+
+$(DEPS): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -U pip "setuptools>=64" wheel "Cython>=3.0,<4" "numpy>=1.24"
+	$(PIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "hypothesis>=6.80" "rich>=13" "Pillow>=9"
+	touch $@
+
+$(BUILT): $(DEPS) $(SRC)
+	rm -rf build
+	$(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
+	touch $@
+
+install: $(BUILT)
+
+demo: install
+	$(VENV)/bin/shmkv demo
+
+test: install
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
+
+bench-deps: $(VENV)/.bench
+$(VENV)/.bench: $(DEPS)
+	$(PIP) install -q "lmdb>=1.4" "redis>=5" "matplotlib>=3.7"
+	touch $(VENV)/.bench
+
+bench: install bench-deps
+	$(PY) benchmarks/run.py
+
+bench-quick: install bench-deps
+	$(PY) benchmarks/run.py --quick
+
+chaos: install
+	$(PY) tools/chaos.py
+
+fuzz: install
+	$(PY) tools/fuzz_attach.py
+
+lint: $(DEPS)
+	$(PIP) install -q ruff
+	$(VENV)/bin/ruff check shmkv tests benchmarks tools
+	$(VENV)/bin/cython -X language_level=3 -Werror -Wextra --no-docstrings -I shmkv -o /tmp/shmkv-lint.c shmkv/_core.pyx
+
+# The whole suite against a debug build: C asserts, SHMKV_DEBUG blocks, bounds checks.
+debug: $(DEPS)
+	rm -rf build
+	SHMKV_DEBUG=1 $(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
+	rm -f $(BUILT)
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf build dist *.egg-info shmkv/*.so shmkv/_core.c .pytest_cache .hypothesis
+	rm -rf $(VENV)

@@ -1,0 +1,83 @@
+"""Shared fixtures.  Every test gets unique segment names and every segment it makes is
+unlinked, whatever happens; processes are ended by PID."""
+import os
+import uuid
+
+import pytest
+
+import shmkv
+
+# The suite tests the installed package, never the source tree.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SRC = os.path.join(os.path.dirname(_HERE), "shmkv")
+assert not os.path.abspath(shmkv.__file__).startswith(_SRC), (
+    f"tests must run against the installed package, imported {shmkv.__file__}")
+
+SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=64, block_size=4,
+             max_seqs=32)
+
+
+def unique_name(tag="t"):
+    return f"shmkv-test-{tag}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+def _unlink(name):
+    import posix_ipc
+
+    try:
+        posix_ipc.unlink_shared_memory("/" + name.lstrip("/"))
+    except posix_ipc.ExistentialError:
+        pass
+
+
+@pytest.fixture
+def seg_name():
+    """A unique segment name, unlinked at teardown."""
+    name = unique_name()
+    try:
+        yield name
+    finally:
+        _unlink(name)
+
+
+@pytest.fixture
+def make_cache():
+    """make_cache(**config_overrides) -> a fresh KVCache; closed and unlinked at teardown."""
+    made = []
+
+    def make(**kw):
+        cfg = shmkv.CacheConfig(**{**SMALL, **kw})
+        name = unique_name()
+        made.append(name)
+        cache = shmkv.KVCache.create(name, cfg)
+        made.append(cache)
+        return cache
+
+    try:
+        yield make
+    finally:
+        for x in made:
+            if isinstance(x, str):
+                _unlink(x)
+            else:
+                x.close()
+
+
+@pytest.fixture
+def cache(make_cache):
+    return make_cache()
+
+
+@pytest.fixture
+def procs():
+    """A list to put started processes in; each is joined, and killed by PID if it is
+    still running at teardown."""
+    started = []
+    try:
+        yield started
+    finally:
+        for p in started:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
