@@ -34,6 +34,8 @@ cdef extern from "_kernels.h" nogil:
         int cow
 
     int SHMKV_NCRASH
+    int shmkv_plant
+    int SHMKV_PLANT_EARLY_PUBLISH
     const char *SHMKV_CRASH_NAMES[]
     int shmkv_crash_id
     long shmkv_crash_countdown

@@ -701,6 +701,8 @@ cdef class Segment:
             st = shmkv_seq_check_span(c, slot, pl.len, n)
             if st != SHMKV_OK:
                 _raise(st, f"sequence {s}")
+            if shmkv_plant == SHMKV_PLANT_EARLY_PUBLISH:     # planted bug, see plant_bug()
+                shmkv_atomic_store_u32_release(&c.seqs[slot].len, <uint32_t>(pl.len + n))
             with nogil:
                 shmkv_seq_copy(c, slot, pl.len, n, c.kpool, kb, 1)
                 shmkv_seq_copy(c, slot, pl.len, n, c.vpool, vb, 1)
@@ -1445,11 +1447,31 @@ def set_crash_point(name, long countdown=1):
     shmkv_crash_id = CRASH_POINTS.index(name) + 1
 
 
+PLANTED_BUGS = ("no_recovery", "early_publish", "no_cow", "leak_on_free")
+
+
+def plant_bug(name):
+    """Plant a known bug in this process, to prove the chaos harness catches it:
+    'no_recovery' (recovery does nothing), 'early_publish' (append publishes the length
+    before the data is copied), 'no_cow' (a shared partial block is written in place),
+    'leak_on_free' (free keeps one block).  None removes it.  Also read from the
+    environment at import: SHMKV_PLANT=name."""
+    global shmkv_plant
+    if name is None:
+        shmkv_plant = 0
+        return
+    if name not in PLANTED_BUGS:
+        raise ValueError(f"planted bug: expected one of {PLANTED_BUGS}, got {name!r}")
+    shmkv_plant = PLANTED_BUGS.index(name) + 1
+
+
 def _arm_from_env():
     spec = os.environ.get("SHMKV_CRASH_POINT")
     if spec:
         name, _, n = spec.partition(":")
         set_crash_point(name, int(n) if n else 1)
+    if os.environ.get("SHMKV_PLANT"):
+        plant_bug(os.environ["SHMKV_PLANT"])
 
 _arm_from_env()
 

@@ -68,6 +68,12 @@ static inline void shmkv_crash(int id) {
 }
 #define SHMKV_CRASH(id) shmkv_crash(SHMKV_CP_##id)
 
+/* Planted bugs: the chaos harness must catch each of them (proof that it can fail).
+ * Process-local; off unless plant_bug() is called. */
+enum { SHMKV_PLANT_NONE = 0, SHMKV_PLANT_NO_RECOVERY = 1, SHMKV_PLANT_EARLY_PUBLISH = 2,
+       SHMKV_PLANT_NO_COW = 3, SHMKV_PLANT_LEAK_ON_FREE = 4 };
+static int shmkv_plant = 0;
+
 /* ---- the process-local view of a segment (never in shared memory) ---------------- */
 typedef struct {
     uint8_t *base;
@@ -566,6 +572,7 @@ static int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot) {
     uint32_t nb = q->nblocks;
     const int32_t *t = shmkv_table(c, slot);
     shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
+    if (__builtin_expect(shmkv_plant == SHMKV_PLANT_LEAK_ON_FREE, 0) && nb > 0) nb--;
     for (uint32_t i = 0; i < nb; i++) {
         if (i == nb / 2) SHMKV_CRASH(FREE_MID);
         shmkv_block_decref_locked(c, (uint32_t)t[i]);
@@ -640,7 +647,11 @@ static int shmkv_seq_plan(shmkv_ctx_t *c, uint32_t slot, uint64_t n, shmkv_grow_
         uint32_t bi = len / c->cfg.block_size;
         int32_t b = shmkv_table(c, slot)[bi];
         if (!shmkv_block_ok(c, b)) return SHMKV_ECORRUPT;
-        if (shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) > 1) { pl->cow = 1; pl->cow_index = bi; }
+        if (shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) > 1
+                && __builtin_expect(shmkv_plant != SHMKV_PLANT_NO_COW, 1)) {
+            pl->cow = 1;
+            pl->cow_index = bi;
+        }
     }
     return SHMKV_OK;
 }
@@ -857,6 +868,7 @@ static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
 static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
     int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
     memset(r, 0, sizeof *r);
+    if (__builtin_expect(shmkv_plant == SHMKV_PLANT_NO_RECOVERY, 0)) return SHMKV_OK;
     shmkv_shared_t *sh = c->sh;
     const uint32_t NB = c->cfg.num_blocks, NS = c->cfg.max_seqs, NP = c->cfg.max_procs;
     const uint32_t bs = c->cfg.block_size;
