@@ -14,6 +14,7 @@ cdef extern from "_kernels.h" nogil:
         shmkv_seq_t *seqs
         uint32_t *seq_free
         int32_t *tables
+        int32_t *tokens
         shmkv_index_t *index
         uint8_t *kpool
         uint8_t *vpool
@@ -82,6 +83,18 @@ cdef extern from "_kernels.h" nogil:
                          int64_t *out)
     int shmkv_write_slots(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
                           const uint8_t *k, const uint8_t *v, int64_t *bad)
+    void shmkv_hash_fast(uint64_t seed, const uint64_t *parent, const int32_t *tok,
+                         uint32_t n, const uint64_t *extra, uint64_t *out)
+    void shmkv_seq_tokens(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+                          int32_t *ids, int to_pool)
+    void shmkv_seq_block_hash_fast(shmkv_ctx_t *c, uint32_t slot, uint32_t i)
+    void shmkv_seq_publish_locked(shmkv_ctx_t *c, uint32_t slot)
+    uint32_t shmkv_prefix_match_locked(shmkv_ctx_t *c, const uint64_t *hashes, uint32_t n)
+    uint32_t shmkv_prefix_take_locked(shmkv_ctx_t *c, uint32_t slot, const uint64_t *hashes,
+                                      uint32_t n)
+    int shmkv_seq_trim_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t S, uint32_t D,
+                              uint32_t *dropped)
+    void shmkv_seq_touch(shmkv_ctx_t *c, uint32_t slot)
     int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid_start)
     void shmkv_proc_unregister_locked(shmkv_ctx_t *c)
     int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r)

@@ -6,6 +6,7 @@ takes locks (trying first with the GIL, blocking only without it), releases the 
 around every byte copy, and translates status codes into the exceptions of
 shared/API.md.  KVCache (cache.py) subclasses Segment and adds the constructors.
 """
+import hashlib
 import os
 import secrets
 import threading
@@ -111,6 +112,66 @@ cdef inline int64_t _as_sid(object sid) except? -2:
         raise SequenceNotFound(f"sequence {sid}: unknown or freed sequence") from None
 
 
+_POLICIES = {"lru": SHMKV_C_EVICT_LRU, "lfu": SHMKV_C_EVICT_LRU + 1,
+             "longest": SHMKV_C_EVICT_LRU + 2, "priority": SHMKV_C_EVICT_LRU + 3}
+
+
+cdef cnp.ndarray _as_ids(object tokens, int64_t n):
+    """Token ids as a contiguous int32 array (of length n when n >= 0)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-d sequence of ids, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
+    if n >= 0 and arr.shape[0] != n:
+        raise ValueError(f"tokens: expected {n} ids (one per token added), got {arr.shape[0]}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0x7fffffff):
+        raise ValueError(f"tokens: expected ids in [0, 2**31), got [{arr.min()}, {arr.max()}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+cdef int _salt_digest(object salt, uint64_t *out) except -1:
+    out[0] = out[1] = 0
+    if salt is None:
+        return 0
+    if isinstance(salt, str):
+        salt = salt.encode()
+    if not isinstance(salt, bytes):
+        raise TypeError(f"salt: expected str or bytes, got {type(salt).__name__}")
+    d = hashlib.blake2b(salt, digest_size=16, person=b"shmkv-salt").digest()
+    out[0] = int.from_bytes(d[:8], "little")
+    out[1] = int.from_bytes(d[8:], "little") | 2      # never the index's reserved keys
+    return 0
+
+
+cdef bytes _pack2(object h):
+    return int(h[0]).to_bytes(8, "little") + int(h[1]).to_bytes(8, "little")
+
+
+cdef tuple _sha_block(uint64_t seed, bytes parent, const uint64_t *extra, bytes toks):
+    """The sha256 block hash: sha256(seed | parent hash | salt digest (block 0) | ids),
+    truncated to 128 bits."""
+    m = hashlib.sha256(seed.to_bytes(8, "little"))
+    m.update(parent)
+    if extra != NULL:
+        m.update(_pack2((extra[0], extra[1])))
+    m.update(toks)
+    d = m.digest()
+    h0 = int.from_bytes(d[:8], "little")
+    h1 = int.from_bytes(d[8:16], "little")
+    if h0 == 0 and h1 <= 1:
+        h1 = 2
+    return (h0, h1)
+
+
+cdef int64_t _count_arg(object x, str what) except -1:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{what}: expected int, got {type(x).__name__}")
+    if x < 0:
+        raise ValueError(f"{what}: expected >= 0, got {x}")
+    return <int64_t>min(x, 1 << 40)
+
+
 def _norm_name(name):
     """'llama' or '/llama' -> '/llama'; anything else is a ValueError/TypeError."""
     if not isinstance(name, str):
@@ -155,7 +216,7 @@ cdef dict _layout_dict(const shmkv_layout_t *l):
                 layer_stride=l.layer_stride, index_capacity=l.index_capacity,
                 off_blocks=l.off_blocks, off_free=l.off_free, off_procs=l.off_procs,
                 off_seqs=l.off_seqs, off_seq_free=l.off_seq_free, off_tables=l.off_tables,
-                off_index=l.off_index, off_kpool=l.off_kpool, off_vpool=l.off_vpool,
+                off_tokens=l.off_tokens, off_index=l.off_index, off_kpool=l.off_kpool, off_vpool=l.off_vpool,
                 segment_size=l.segment_size)
 
 
@@ -614,8 +675,20 @@ cdef class Segment:
         return 0
 
     # ---- sequences ---------------------------------------------------------------------
-    def create_sequence(self, *, int priority=0):
-        """Create an empty sequence owned by this process.
+    def create_sequence(self, tokens=None, salt=None, *, int priority=0):
+        """Create a sequence owned by this process.
+
+        Parameters
+        ----------
+        tokens : array-like of int, optional
+            The prompt's token ids.  The sequence starts out sharing the longest run of
+            full blocks of ``tokens`` that any process has published (never the last
+            token: it must be computed); ``seq_len(sid)`` says how many tokens are
+            already there.  Append the rest with ``append(..., tokens=...)``.
+        salt : str or bytes, optional
+            Cache salt (tenant isolation): only sequences with the same salt share.
+        priority : int
+            For ``evict("priority")``: lower priorities are evicted first.
 
         Returns
         -------
@@ -630,13 +703,33 @@ cdef class Segment:
         cdef shmkv_ctx_t *c = self._c()
         cdef int64_t sid = -1
         cdef int st
+        cdef uint32_t slot, nfull = 0, hits = 0
         cdef shmkv_recovery_t r
+        cdef cnp.ndarray ids = None, hashes = None
+        cdef uint64_t sd[2]
         if priority < 0:
             raise ValueError(f"priority: expected >= 0, got {priority}")
+        _salt_digest(salt, sd)
+        if tokens is not None:
+            ids = _as_ids(tokens, -1)
+            if ids.shape[0] > 1:
+                nfull = min((ids.shape[0] - 1) // c.cfg.block_size, c.cfg.max_blocks_per_seq)
+            if nfull:
+                hashes = self._chain(ids, nfull, sd)
         _pool_lock(c)
         st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
         if st == SHMKV_ESEQFULL and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences:
             st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
+        if st == SHMKV_OK:
+            slot = <uint32_t>(sid % c.cfg.max_seqs)
+            c.seqs[slot].salt[0] = sd[0]
+            c.seqs[slot].salt[1] = sd[1]
+            if ids is not None:
+                if nfull:
+                    hits = shmkv_prefix_take_locked(
+                        c, slot, <const uint64_t *>cnp.PyArray_DATA(hashes), nfull)
+                shmkv_count(c, SHMKV_C_PREFIX_QUERIES, ids.shape[0])
+                shmkv_count(c, SHMKV_C_PREFIX_HITS, hits * c.cfg.block_size)
         shmkv_pool_unlock(c)
         if st != SHMKV_OK:
             if st == SHMKV_ESEQFULL:
@@ -644,6 +737,269 @@ cdef class Segment:
                     f"create_sequence: all {c.cfg.max_seqs} sequence slots are taken")
             _raise(st, "create_sequence")
         return sid
+
+    def match_prefix(self, tokens, salt=None):
+        """Tokens that ``create_sequence(tokens, salt)`` would share right now (full
+        blocks only, never the last token), without taking them."""
+        cdef shmkv_ctx_t *c = self._c()
+        cdef cnp.ndarray ids = _as_ids(tokens, -1)
+        cdef uint64_t sd[2]
+        cdef uint32_t nfull = 0, hits = 0
+        _salt_digest(salt, sd)
+        if ids.shape[0] > 1:
+            nfull = min((ids.shape[0] - 1) // c.cfg.block_size, c.cfg.max_blocks_per_seq)
+        if nfull == 0:
+            return 0
+        hashes = self._chain(ids, nfull, sd)
+        _pool_lock(c)
+        hits = shmkv_prefix_match_locked(c, <const uint64_t *>cnp.PyArray_DATA(hashes), nfull)
+        shmkv_pool_unlock(c)
+        return hits * c.cfg.block_size
+
+    cdef cnp.ndarray _chain(self, cnp.ndarray ids, uint32_t nfull, uint64_t *salt):
+        """Block hashes [nfull, 2] of the first nfull full blocks of ids (int32)."""
+        cdef shmkv_ctx_t *c = self.ctx
+        cdef cnp.npy_intp dims[2]
+        dims[0] = nfull
+        dims[1] = 2
+        cdef cnp.ndarray out = cnp.PyArray_EMPTY(2, dims, cnp.NPY_UINT64, 0)
+        cdef uint64_t *h = <uint64_t *>cnp.PyArray_DATA(out)
+        cdef const int32_t *tp = <const int32_t *>cnp.PyArray_DATA(ids)
+        cdef uint64_t zero[2]
+        cdef uint32_t i, bs = c.cfg.block_size
+        zero[0] = zero[1] = 0
+        if c.cfg.hash_algo == SHMKV_HASH_XXH:
+            for i in range(nfull):
+                shmkv_hash_fast(c.hdr.hash_seed, h + 2 * (i - 1) if i else zero,
+                                tp + i * bs, bs, salt if i == 0 else NULL, h + 2 * i)
+        else:
+            parent = bytes(16)
+            for i in range(nfull):
+                d = _sha_block(c.hdr.hash_seed, parent, salt if i == 0 else NULL,
+                               (<object>ids)[i * bs:(i + 1) * bs].tobytes())
+                h[2 * i], h[2 * i + 1] = d
+                parent = _pack2(d)
+        return out
+
+    cdef int _hash_blocks(self, shmkv_ctx_t *c, uint32_t slot, uint64_t upto) except -1:
+        """Computes the hash of every block that [0, upto) fills completely and that has
+        none yet (in order: each hash chains on the previous).  Sequence-lock holder."""
+        cdef shmkv_seq_t *q = &c.seqs[slot]
+        cdef uint32_t i, full = <uint32_t>(upto // c.cfg.block_size)
+        cdef const int32_t *t
+        cdef uint32_t b, bs = c.cfg.block_size
+        if q.flags & SHMKV_SEQF_UNTRACKED:
+            return 0
+        t = shmkv_table(c, slot)
+        for i in range(q.hash_ready, full):
+            if c.cfg.hash_algo == SHMKV_HASH_XXH:
+                shmkv_seq_block_hash_fast(c, slot, i)
+            else:
+                b = <uint32_t>t[i]
+                parent = bytes(16) if i == 0 else _pack2(
+                    (c.blocks[t[i - 1]].hash[0], c.blocks[t[i - 1]].hash[1]))
+                toks = (<char *>(c.tokens + <uint64_t>b * bs))[:bs * 4]
+                d = _sha_block(c.hdr.hash_seed, parent, q.salt if i == 0 else NULL, toks)
+                c.blocks[b].hash[0], c.blocks[b].hash[1] = d
+                c.blocks[b].num_tokens = bs
+            q.hash_ready = i + 1
+        return 0
+
+    def commit(self, sid):
+        """Publish the full blocks that reserve(..., tokens=...) filled: call after
+        write() has written every layer.  Returns how many blocks became findable."""
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid)
+        cdef uint32_t slot, before
+        _seq_lock(c, s, &slot)
+        try:
+            before = c.seqs[slot].hashed
+            if c.seqs[slot].hash_ready > before:
+                _pool_lock(c)
+                shmkv_seq_publish_locked(c, slot)
+                shmkv_pool_unlock(c)
+            return c.seqs[slot].hashed - before
+        finally:
+            shmkv_seq_unlock(c, slot)
+
+    def set_priority(self, sid, int priority):
+        """Set a sequence's priority for evict("priority") (lower is evicted first)."""
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid)
+        cdef uint32_t slot
+        if priority < 0:
+            raise ValueError(f"priority: expected >= 0, got {priority}")
+        _pool_lock(c)
+        st = shmkv_sid_slot(c, s, &slot)
+        if st == SHMKV_OK:
+            c.seqs[slot].priority = <uint32_t>priority
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            _raise(st, f"sequence {s}")
+
+    def evict(self, policy, blocks_needed, *, exclude=()):
+        """Free whole sequences until ``blocks_needed`` blocks are free.
+
+        Parameters
+        ----------
+        policy : {"lru", "lfu", "longest", "priority"}
+            Which go first: least recently used, least frequently used, the longest,
+            or the lowest priority (ties: least recently used).
+        blocks_needed : int
+            Target for ``stats()["free_blocks"]`` (cached blocks count as free).
+        exclude : iterable of int
+            Sequence ids never to evict (the batch being scheduled).
+
+        Returns
+        -------
+        list of int
+            The evicted sequence ids, in eviction order (empty if enough was free).
+            Sequences another process is using at this moment are skipped; if the
+            target cannot be met, every eligible sequence is evicted.
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef uint32_t s, nfree
+        cdef shmkv_seq_t *q
+        cdef uint64_t me = c.proc_token
+        if policy not in _POLICIES:
+            raise ValueError(f"policy: expected one of {tuple(_POLICIES)}, got {policy!r}")
+        if isinstance(blocks_needed, bool) or not isinstance(blocks_needed, (int, np.integer)):
+            raise TypeError(f"blocks_needed: expected int, got {type(blocks_needed).__name__}")
+        if not 0 <= blocks_needed <= c.cfg.num_blocks:
+            raise ValueError(f"blocks_needed: expected 0 <= n <= {c.cfg.num_blocks}, "
+                             f"got {blocks_needed}")
+        keep = {_as_sid(x) for x in exclude}
+        counter = _POLICIES[policy]
+        evicted = []
+        _pool_lock(c)
+        try:
+            if c.sh.free_top + c.sh.cached_count >= blocks_needed:
+                return evicted
+            cands = []
+            for s in range(c.cfg.max_seqs):
+                q = &c.seqs[s]
+                if q.state != SHMKV_SEQ_LIVE or q.trim_d != 0:
+                    continue
+                sid = shmkv_slot_sid(c, s)
+                if sid in keep:
+                    continue
+                if policy == "lru":
+                    key = (q.last_access_ns,)
+                elif policy == "lfu":
+                    key = (q.access_count, q.last_access_ns)
+                elif policy == "longest":
+                    key = (-<int64_t>q.len, q.last_access_ns)
+                else:
+                    key = (q.priority, q.last_access_ns)
+                cands.append((key, s))
+            cands.sort()
+            for key, s in cands:
+                if c.sh.free_top + c.sh.cached_count >= blocks_needed:
+                    break
+                q = &c.seqs[s]
+                if not shmkv_atomic_cas_u64(&q.writer, 0, me):
+                    continue                      # in use right now: not a victim
+                sid = shmkv_slot_sid(c, s)
+                if q.state != SHMKV_SEQ_LIVE or shmkv_seq_free_locked(c, s) != SHMKV_OK:
+                    shmkv_seq_unlock(c, s)
+                    continue
+                shmkv_count(c, counter, 1)
+                evicted.append(sid)
+        finally:
+            shmkv_pool_unlock(c)
+        return evicted
+
+    def trim_streaming(self, sid, sink_tokens, window_tokens):
+        """StreamingLLM: keep the attention-sink prefix and the recent window, drop the
+        whole blocks in between.
+
+        Keeps the first ``sink_tokens`` tokens (rounded up to whole blocks) and at least
+        the last ``window_tokens`` (the blocks that hold them); frees the middle blocks.
+        Positions are renumbered: afterwards token i of the sequence is its i-th kept
+        token, ``seq_len`` is the kept count and ``trimmed(sid)`` the tokens dropped so
+        far (add it to recover original positions).  The sequence stops being hashed
+        for the prefix cache (its chain no longer describes a prompt).
+
+        Returns
+        -------
+        int
+            Tokens dropped by this call (0 if the two ends overlap).
+        """
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid)
+        cdef int64_t sink = _count_arg(sink_tokens, "sink_tokens")
+        cdef int64_t win = _count_arg(window_tokens, "window_tokens")
+        cdef uint32_t slot, S, D, nb, ln, first_kept, bs = c.cfg.block_size
+        cdef uint32_t *dropped = NULL
+        cdef int st = SHMKV_OK
+        cdef shmkv_seq_t *q
+        _seq_lock(c, s, &slot)
+        try:
+            q = &c.seqs[slot]
+            ln = q.len
+            nb = shmkv_blocks_for(c, ln)
+            S = <uint32_t>min((sink + bs - 1) // bs, nb)
+            first_kept = <uint32_t>((ln - win) // bs) if win < ln else 0
+            if first_kept <= S:
+                return 0
+            D = first_kept - S
+            dropped = <uint32_t *>malloc(sizeof(uint32_t) * (D + 1))
+            if dropped == NULL:
+                raise MemoryError()
+            _pool_lock(c)
+            if q.nblocks > nb:                  # an unpublished tail a dead writer left
+                st = SHMKV_ECORRUPT if shmkv_seq_valid(c, slot) != SHMKV_OK else SHMKV_OK
+                while st == SHMKV_OK and q.nblocks > nb:
+                    q.nblocks -= 1
+                    shmkv_block_decref_locked(c, <uint32_t>shmkv_table(c, slot)[q.nblocks])
+            if st == SHMKV_OK:
+                st = shmkv_seq_valid(c, slot)
+            if st == SHMKV_OK:
+                st = shmkv_seq_trim_locked(c, slot, S, D, dropped)
+            shmkv_pool_unlock(c)
+            if st != SHMKV_OK:
+                _raise(st, f"trim_streaming({s})")
+            return D * bs
+        finally:
+            free(dropped)
+            shmkv_seq_unlock(c, slot)
+
+    def trimmed(self, sid):
+        """Tokens trim_streaming dropped from this sequence so far."""
+        cdef shmkv_ctx_t *c = self._c()
+        cdef uint32_t slot
+        cdef int64_t s = _as_sid(sid)
+        st = shmkv_sid_slot(c, s, &slot)
+        if st != SHMKV_OK:
+            _raise(st, f"sequence {s}")
+        return c.seqs[slot].trimmed
+
+    def token_ids(self, sid, start=None, stop=None):
+        """The token ids recorded for tokens [start, stop) (int32; meaningful where they
+        were given with tokens=, or shared from the prefix cache)."""
+        cdef shmkv_ctx_t *c = self._c()
+        cdef int64_t s = _as_sid(sid)
+        cdef uint32_t slot
+        cdef int64_t a, b, L
+        cdef cnp.ndarray out
+        cdef cnp.npy_intp dims[1]
+        _seq_lock(c, s, &slot)
+        try:
+            L = c.seqs[slot].len
+            a = 0 if start is None else _token_index(start, "start")
+            b = L if stop is None else _token_index(stop, "stop")
+            if not (0 <= a <= b <= L):
+                raise IndexError(
+                    f"token range: expected 0 <= start <= stop <= {L} (sequence {s} "
+                    f"length), got [{a}, {b})")
+            dims[0] = b - a
+            out = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT32, 0)
+            if shmkv_seq_check_span(c, slot, a, b - a) != SHMKV_OK:
+                _raise(SHMKV_ECORRUPT, f"sequence {s}")
+            shmkv_seq_tokens(c, slot, a, b - a, <int32_t *>cnp.PyArray_DATA(out), 0)
+            return out
+        finally:
+            shmkv_seq_unlock(c, slot)
 
     def fork(self, sid):
         """A new sequence sharing every block of `sid` copy-on-write.
@@ -668,7 +1024,7 @@ cdef class Segment:
             _raise(st, f"fork({s})")
         return child
 
-    def append(self, sid, k, v):
+    def append(self, sid, k, v, tokens=None):
         """Append n tokens to a sequence, every layer at once.
 
         Parameters
@@ -676,6 +1032,10 @@ cdef class Segment:
         sid : int
         k, v : ndarray
             ``[num_layers, n, num_kv_heads, head_dim]`` of the cache's dtype, n >= 1.
+        tokens : array-like of n ints, optional
+            The token ids of these n tokens.  Every block they fill is hashed and, when
+            the call returns, findable by every process (prefix cache).  A sequence
+            appended to without tokens stops being hashed.
 
         The tokens become visible to gather (in every process) all together, when the
         call returns.  Raises CacheFullError with no effect when the pool is short.
@@ -691,6 +1051,7 @@ cdef class Segment:
         cdef int st
         cdef uint8_t *kb = <uint8_t *>cnp.PyArray_DATA(ka)
         cdef uint8_t *vb = <uint8_t *>cnp.PyArray_DATA(va)
+        cdef cnp.ndarray ids = None if tokens is None else _as_ids(tokens, n)
         _seq_lock(c, s, &slot)
         try:
             st = shmkv_seq_plan(c, slot, n, &pl)
@@ -701,15 +1062,26 @@ cdef class Segment:
             st = shmkv_seq_check_span(c, slot, pl.len, n)
             if st != SHMKV_OK:
                 _raise(st, f"sequence {s}")
+            if ids is None:
+                c.seqs[slot].flags |= SHMKV_SEQF_UNTRACKED
+            else:
+                shmkv_seq_tokens(c, slot, pl.len, n, <int32_t *>cnp.PyArray_DATA(ids), 1)
             if shmkv_plant == SHMKV_PLANT_EARLY_PUBLISH:     # planted bug, see plant_bug()
                 shmkv_atomic_store_u32_release(&c.seqs[slot].len, <uint32_t>(pl.len + n))
             with nogil:
                 shmkv_seq_copy(c, slot, pl.len, n, c.kpool, kb, 1)
                 shmkv_seq_copy(c, slot, pl.len, n, c.vpool, vb, 1)
+            if ids is not None:
+                self._hash_blocks(c, slot, pl.len + n)
             shmkv_crash(SHMKV_CP_APPEND_BEFORE_PUBLISH)
             shmkv_atomic_store_u32_release(&c.seqs[slot].len, <uint32_t>(pl.len + n))
             shmkv_crash(SHMKV_CP_APPEND_AFTER_PUBLISH)
+            shmkv_seq_touch(c, slot)
             shmkv_count(c, SHMKV_C_APPENDED_TOKENS, n)
+            if c.seqs[slot].hash_ready > c.seqs[slot].hashed:
+                _pool_lock(c)
+                shmkv_seq_publish_locked(c, slot)
+                shmkv_pool_unlock(c)
         finally:
             shmkv_seq_unlock(c, slot)
 
@@ -720,8 +1092,12 @@ cdef class Segment:
                 f"({self.ctx.cfg.max_blocks_per_seq * self.ctx.cfg.block_size} tokens)")
         _raise(st, f"sequence {s}")
 
-    def reserve(self, sid, n):
+    def reserve(self, sid, n, tokens=None):
         """Grow a sequence by n tokens and return their slot ids.
+
+        With ``tokens`` (n token ids) the blocks these tokens fill are hashed; they
+        become findable by other processes at ``commit(sid)``, which the caller calls
+        once write() has written every layer.
 
         Returns
         -------
@@ -745,6 +1121,7 @@ cdef class Segment:
         cdef cnp.npy_intp dims[1]
         dims[0] = <cnp.npy_intp>nn
         cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
+        cdef cnp.ndarray ids = None if tokens is None else _as_ids(tokens, nn)
         _seq_lock(c, s, &slot)
         try:
             st = shmkv_seq_plan(c, slot, nn, &pl)
@@ -756,7 +1133,13 @@ cdef class Segment:
             if st != SHMKV_OK:
                 _raise(st, f"sequence {s}")
             shmkv_seq_slots(c, slot, pl.len, nn, <int64_t *>cnp.PyArray_DATA(out))
+            if ids is None:
+                c.seqs[slot].flags |= SHMKV_SEQF_UNTRACKED
+            else:
+                shmkv_seq_tokens(c, slot, pl.len, nn, <int32_t *>cnp.PyArray_DATA(ids), 1)
+                self._hash_blocks(c, slot, pl.len + nn)
             shmkv_atomic_store_u32_release(&c.seqs[slot].len, <uint32_t>(pl.len + nn))
+            shmkv_seq_touch(c, slot)
             shmkv_count(c, SHMKV_C_APPENDED_TOKENS, nn)
         finally:
             shmkv_seq_unlock(c, slot)
@@ -854,6 +1237,7 @@ cdef class Segment:
             with nogil:
                 shmkv_seq_copy(c, slot, a, b - a, c.kpool, kb, 0)
                 shmkv_seq_copy(c, slot, a, b - a, c.vpool, vb, 0)
+            shmkv_seq_touch(c, slot)
             shmkv_count(c, SHMKV_C_GATHERED_TOKENS, b - a)
         finally:
             shmkv_seq_unlock(c, slot)

@@ -53,7 +53,9 @@
     X(FORK_MID, "fork_mid")                 /* pool lock: child half built */            \
     X(CREATE_MID, "create_mid")             /* pool lock: slot taken, not counted */     \
     X(GATHER_MID, "gather_mid")             /* seq lock: half the layers copied */       \
-    X(RECOVER_MID, "recover_mid")           /* pool lock: refcounts recounted, lists not */
+    X(RECOVER_MID, "recover_mid")           /* pool lock: refcounts recounted, lists not */ \
+    X(PUBLISH_MID, "publish_mid")           /* pool lock: some block hashes indexed */   \
+    X(TRIM_MID, "trim_mid")                 /* pool lock: trim journal half applied */
 
 #define SHMKV_X_ENUM(id, name) SHMKV_CP_##id,
 enum { SHMKV_CP_NONE = 0, SHMKV_CRASH_POINTS(SHMKV_X_ENUM) SHMKV_NCRASH };
@@ -86,6 +88,7 @@ typedef struct {
     shmkv_seq_t *seqs;
     uint32_t *seq_free;
     int32_t *tables;
+    int32_t *tokens;            /* [num_blocks][block_size] token ids */
     shmkv_index_t *index;
     uint8_t *kpool;
     uint8_t *vpool;
@@ -160,6 +163,7 @@ static int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int read
     c->seqs = (shmkv_seq_t *)(base + lay.off_seqs);
     c->seq_free = (uint32_t *)(base + lay.off_seq_free);
     c->tables = (int32_t *)(base + lay.off_tables);
+    c->tokens = (int32_t *)(base + lay.off_tokens);
     c->index = (shmkv_index_t *)(base + lay.off_index);
     c->kpool = base + lay.off_kpool;
     c->vpool = base + lay.off_vpool;
@@ -539,8 +543,14 @@ static int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *s
     q->nblocks = 0;
     q->hashed = 0;
     q->priority = priority;
-    q->created_ns = q->last_access_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
+    q->created_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
+    q->last_access_ns = (uint64_t)shmkv_now_ns(CLOCK_MONOTONIC_COARSE);
     q->access_count = 0;
+    q->flags = 0;
+    q->hash_ready = 0;
+    q->salt[0] = q->salt[1] = 0;
+    q->trimmed = 0;
+    q->trim_s = q->trim_d = q->trim_k = q->trim_chunk = q->trim_len = 0;
     shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_LIVE);    /* publish */
     SHMKV_CRASH(CREATE_MID);
     sh->num_seqs++;
@@ -612,7 +622,15 @@ static int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_
         shmkv_atomic_add_u32(&c->blocks[pt[i]].ref_cnt, 1);
     }
     q->nblocks = nb;
-    q->hashed = p->hashed < nb ? p->hashed : nb;
+    uint32_t full = len / c->cfg.block_size;
+    uint32_t ready = shmkv_atomic_load_u32(&p->hash_ready);
+    q->hashed = p->hashed < full ? p->hashed : full;
+    q->hash_ready = ready < full ? ready : full;
+    if (q->hash_ready < q->hashed) q->hash_ready = q->hashed;
+    q->flags = p->flags;
+    q->salt[0] = p->salt[0];
+    q->salt[1] = p->salt[1];
+    q->trimmed = p->trimmed;
     shmkv_atomic_store_u32_release(&q->len, len);
     shmkv_count(c, SHMKV_C_FORKS, 1);
     *child_out = csid;
@@ -696,6 +714,8 @@ static int shmkv_seq_grow_locked(shmkv_ctx_t *c, uint32_t slot, shmkv_grow_plan_
  * record. */
 static void shmkv_block_copy(shmkv_ctx_t *c, uint32_t src, uint32_t dst, uint32_t tokens) {
     uint64_t nbytes = (uint64_t)tokens * c->lay.token_bytes;
+    memcpy(c->tokens + (uint64_t)dst * c->cfg.block_size,
+           c->tokens + (uint64_t)src * c->cfg.block_size, (uint64_t)tokens * 4u);
     for (uint32_t l = 0; l < c->cfg.num_layers; l++) {
         uint64_t lo = (uint64_t)l * c->lay.layer_stride;
         memcpy(c->kpool + lo + (uint64_t)dst * c->lay.block_bytes,
@@ -798,6 +818,181 @@ static int shmkv_write_slots(shmkv_ctx_t *c, uint32_t layer, const int64_t *slot
     return SHMKV_OK;
 }
 
+/* ---- token ids, block hashes and the prefix cache ----------------------------------------- */
+static inline uint64_t shmkv_fmix64(uint64_t k) {
+    k ^= k >> 33; k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33; k *= 0xc4ceb9fe1a85ec53ULL;
+    k ^= k >> 33;
+    return k;
+}
+static inline uint64_t shmkv_rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+/* The fast (non-cryptographic) 128-bit block hash: two 64-bit lanes over the segment's
+ * seed, the parent block's hash, the block's token ids and the extra keys (the salt
+ * digest; only for the first block, the chain carries it on).  Never returns the
+ * index's reserved keys {0,0} and {0,1}. */
+static void shmkv_hash_fast(uint64_t seed, const uint64_t *parent, const int32_t *tok,
+                            uint32_t n, const uint64_t *extra, uint64_t *out) {
+    uint64_t a = seed ^ 0x243f6a8885a308d3ULL ^ parent[0];
+    uint64_t b = ~seed ^ 0x13198a2e03707344ULL ^ parent[1];
+    if (extra) { a ^= shmkv_fmix64(extra[0] + 0x9e3779b97f4a7c15ULL); b ^= shmkv_fmix64(extra[1]); }
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t t = (uint64_t)(uint32_t)tok[i];
+        a = shmkv_rotl((a ^ t) * 0x9e3779b97f4a7c15ULL, 31);
+        b = shmkv_rotl((b ^ (t + i)) * 0xc2b2ae3d27d4eb4fULL, 27) + a;
+    }
+    a ^= n; b ^= (uint64_t)n << 32;
+    uint64_t h0 = shmkv_fmix64(a + b), h1 = shmkv_fmix64(b ^ shmkv_rotl(a, 17));
+    if (h0 == 0 && h1 <= 1) h1 = 2;
+    out[0] = h0;
+    out[1] = h1;
+}
+
+static inline uint32_t shmkv_slot_of(const shmkv_ctx_t *c, const shmkv_seq_t *q) {
+    return (uint32_t)(q - c->seqs);
+}
+
+/* Token ids of positions [pos, pos+n) between the sequence's blocks and ids[].
+ * Caller holds the sequence lock and checked the span. */
+static void shmkv_seq_tokens(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+                             int32_t *ids, int to_pool) {
+    const int32_t *t = shmkv_table(c, slot);
+    const uint64_t bs = c->cfg.block_size;
+    while (n) {
+        uint64_t off = pos % bs, cnt = bs - off;
+        if (cnt > n) cnt = n;
+        int32_t *dst = c->tokens + (uint64_t)t[pos / bs] * bs + off;
+        if (to_pool) memcpy(dst, ids, cnt * 4u); else memcpy(ids, dst, cnt * 4u);
+        ids += cnt; pos += cnt; n -= cnt;
+    }
+}
+
+/* The hash of block i of a sequence: parent = block i-1's hash (computed before, the
+ * chain is filled in order), extra = the salt digest for block 0. */
+static void shmkv_seq_block_hash_fast(shmkv_ctx_t *c, uint32_t slot, uint32_t i) {
+    const int32_t *t = shmkv_table(c, slot);
+    const shmkv_seq_t *q = &c->seqs[slot];
+    uint64_t zero[2] = { 0, 0 };
+    const uint64_t *parent = i ? c->blocks[t[i - 1]].hash : zero;
+    uint32_t b = (uint32_t)t[i];
+    shmkv_hash_fast(c->hdr->hash_seed, parent, c->tokens + (uint64_t)b * c->cfg.block_size,
+                    c->cfg.block_size, i ? NULL : q->salt, c->blocks[b].hash);
+    c->blocks[b].num_tokens = c->cfg.block_size;
+}
+
+/* Makes [hashed, hash_ready) findable: each block's hash goes into the index, unless
+ * that hash is there already (another process published the same prefix first: ours
+ * stays a private copy).  Caller holds the pool lock (and the sequence lock). */
+static void shmkv_seq_publish_locked(shmkv_ctx_t *c, uint32_t slot) {
+    shmkv_seq_t *q = &c->seqs[slot];
+    const int32_t *t = shmkv_table(c, slot);
+    uint32_t end = q->hash_ready < q->nblocks ? q->hash_ready : q->nblocks;
+    for (uint32_t i = q->hashed; i < end; i++) {
+        uint32_t b = (uint32_t)t[i];
+        if (!shmkv_block_ok(c, b)) break;
+        shmkv_block_t *m = &c->blocks[b];
+        if (!(m->flags & SHMKV_BLOCK_HASHED)) {
+            uint64_t h[2] = { m->hash[0], m->hash[1] };
+            shmkv_index_insert_locked(c, h, b);
+        }
+        q->hashed = i + 1;
+        if (i + 1 == end && i > q->hashed / 2) SHMKV_CRASH(PUBLISH_MID);
+    }
+}
+
+/* How many leading hashes of hashes[n][2] are findable. */
+static uint32_t shmkv_prefix_match_locked(shmkv_ctx_t *c, const uint64_t *hashes, uint32_t n) {
+    uint32_t i = 0;
+    for (; i < n; i++)
+        if (shmkv_index_find_locked(c, hashes + 2 * i) == SHMKV_NIL) break;
+    return i;
+}
+
+/* Gives an empty sequence (ours, fresh) the findable leading blocks of hashes[n][2]:
+ * each hit gets a reference; a cached block (ref_cnt 0) leaves the LRU list in O(1).
+ * Returns the number of blocks taken. */
+static uint32_t shmkv_prefix_take_locked(shmkv_ctx_t *c, uint32_t slot, const uint64_t *hashes,
+                                         uint32_t n) {
+    shmkv_seq_t *q = &c->seqs[slot];
+    int32_t *t = shmkv_table(c, slot);
+    if (n > c->cfg.max_blocks_per_seq) n = c->cfg.max_blocks_per_seq;
+    uint32_t i = 0;
+    for (; i < n; i++) {
+        uint32_t b = shmkv_index_find_locked(c, hashes + 2 * i);
+        if (b == SHMKV_NIL) break;
+        shmkv_block_t *m = &c->blocks[b];
+        if (m->ref_cnt == 0) {                 /* CACHED: back into use */
+            shmkv_lru_unlink_locked(c, b);
+            shmkv_count(c, SHMKV_C_CACHED_REUSED, 1);
+        }
+        shmkv_atomic_add_u32(&m->ref_cnt, 1);
+        t[i] = (int32_t)b;
+        q->nblocks = i + 1;
+    }
+    q->hashed = q->hash_ready = i;
+    shmkv_atomic_store_u32_release(&q->len, i * c->cfg.block_size);
+    shmkv__note_peak(c);
+    return i;
+}
+
+/* ---- StreamingLLM trim: drop the middle blocks, in place, under a redo journal ------------ */
+static int shmkv__trim_valid(const shmkv_ctx_t *c, const shmkv_seq_t *q) {
+    uint64_t s = q->trim_s, d = q->trim_d, k = q->trim_k;
+    return d >= 1 && s + d + k == q->nblocks && q->nblocks <= c->cfg.max_blocks_per_seq
+        && q->trim_chunk <= (k + d - 1) / d && q->trim_len <= (s + k) * c->cfg.block_size;
+}
+
+/* Applies (or, after a death, finishes) the journalled trim.  Chunk j moves at most
+ * trim_d entries into place; its sources are the next chunk's destinations, untouched
+ * until that chunk starts, so redoing chunk j is idempotent. */
+static void shmkv__trim_apply(shmkv_ctx_t *c, uint32_t slot) {
+    shmkv_seq_t *q = &c->seqs[slot];
+    int32_t *t = shmkv_table(c, slot);
+    uint32_t S = q->trim_s, D = q->trim_d, K = q->trim_k;
+    uint32_t nch = (K + D - 1) / D;
+    for (uint32_t j = q->trim_chunk; j < nch; j++) {
+        __atomic_store_n(&q->trim_chunk, j, __ATOMIC_SEQ_CST);
+        uint32_t lo = j * D, hi = lo + D < K ? lo + D : K;
+        for (uint32_t i = lo; i < hi; i++) t[S + i] = t[S + D + i];
+        if (j == 0) SHMKV_CRASH(TRIM_MID);
+    }
+    q->nblocks = S + K;
+    shmkv_atomic_store_u32_release(&q->len, q->trim_len);
+    if (q->hashed > S) q->hashed = S;
+    if (q->hash_ready > S) q->hash_ready = S;
+    q->flags |= SHMKV_SEQF_UNTRACKED;          /* positions renumbered: the chain ends */
+    __atomic_store_n(&q->trim_d, 0, __ATOMIC_SEQ_CST);   /* journal closed */
+}
+
+/* Keeps the first S blocks and the last K, drops the D between.  Caller holds the pool
+ * lock and the sequence lock; nblocks covers exactly the published length.  dropped[]
+ * (room for D) receives the dropped block ids for the caller to release. */
+static int shmkv_seq_trim_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t S, uint32_t D,
+                                 uint32_t *dropped) {
+    shmkv_seq_t *q = &c->seqs[slot];
+    uint32_t nb = q->nblocks;
+    if (D == 0 || (uint64_t)S + D > nb) return SHMKV_EINVAL;
+    const int32_t *t = shmkv_table(c, slot);
+    for (uint32_t i = 0; i < D; i++) dropped[i] = (uint32_t)t[S + i];
+    q->trim_s = S;
+    q->trim_k = nb - S - D;
+    q->trim_len = q->len - D * c->cfg.block_size;
+    q->trim_chunk = 0;
+    __atomic_store_n(&q->trim_d, D, __ATOMIC_SEQ_CST);       /* journal opened */
+    shmkv__trim_apply(c, slot);
+    q->trimmed += D * c->cfg.block_size;
+    for (uint32_t i = 0; i < D; i++) shmkv_block_decref_locked(c, dropped[i]);
+    shmkv_count(c, SHMKV_C_TRIMMED_BLOCKS, D);
+    return SHMKV_OK;
+}
+
+/* Marks a use of the sequence, for evict("lru") / evict("lfu").  Sequence-lock holder. */
+static inline void shmkv_seq_touch(shmkv_ctx_t *c, uint32_t slot) {
+    shmkv_seq_t *q = &c->seqs[slot];
+    q->last_access_ns = (uint64_t)shmkv_now_ns(CLOCK_MONOTONIC_COARSE);
+    q->access_count++;
+}
+
 /* ---- process registration ------------------------------------------------------------- */
 /* Takes a free process slot: first the OFD liveness lock on its byte, then the fields,
  * then state ACTIVE -- so no prober ever sees an ACTIVE slot without its lock. */
@@ -871,7 +1066,6 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
     if (__builtin_expect(shmkv_plant == SHMKV_PLANT_NO_RECOVERY, 0)) return SHMKV_OK;
     shmkv_shared_t *sh = c->sh;
     const uint32_t NB = c->cfg.num_blocks, NS = c->cfg.max_seqs, NP = c->cfg.max_procs;
-    const uint32_t bs = c->cfg.block_size;
 
     uint32_t nprocs = 0;
     for (uint32_t s = 0; s < NP; s++) {
@@ -899,6 +1093,10 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
             r->sequences++;
             continue;
         }
+        if (q->trim_d != 0) {                   /* a trimmer died: finish its trim */
+            if (shmkv__trim_valid(c, q)) shmkv__trim_apply(c, s);
+            else { q->trim_d = 0; q->nblocks = c->cfg.max_blocks_per_seq + 1; } /* corrupt */
+        }
         uint64_t w = shmkv_atomic_load_u64(&q->writer);
         if (w != 0 && !shmkv_proc_alive(c, w)) {
             if (shmkv_atomic_cas_u64(&q->writer, w, 0)) r->locks++;
@@ -919,7 +1117,9 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
         } else {
             uint32_t want = shmkv_blocks_for(c, q->len);
             if (q->nblocks > want) { r->tails += q->nblocks - want; q->nblocks = want; }
-            if (q->hashed > q->nblocks) q->hashed = q->nblocks;
+            uint32_t full = q->len / c->cfg.block_size;
+            if (q->hash_ready > full) q->hash_ready = full;
+            if (q->hashed > q->hash_ready) q->hashed = q->hash_ready;
         }
         shmkv_atomic_store_u64_release(&q->writer, 0);
     }

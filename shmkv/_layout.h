@@ -21,6 +21,7 @@
  *   off_seqs       | shmkv_seq_t     seqs[max_seqs]       sequence slots        |
  *   off_seq_free   | uint32_t        seq_free[max_seqs]   free sequence slots   |
  *   off_tables     | int32_t         tables[max_seqs][max_blocks_per_seq]       |
+ *   off_tokens     | int32_t         tokens[num_blocks][block_size] token ids   |
  *   off_index      | shmkv_index_t   index[index_capacity] block hash -> block  |
  *   off_kpool      +--------------------- page aligned -------------------------+
  *                  | K, layer 0   [num_blocks][block_size][num_kv_heads][head_dim]|
@@ -170,7 +171,7 @@ typedef struct {
     uint64_t layer_stride;     /* distance between layers in a pool (page rounded) */
     uint64_t index_capacity;   /* entries of the hash index (power of two) */
     uint64_t off_blocks, off_free, off_procs, off_seqs, off_seq_free, off_tables;
-    uint64_t off_index, off_kpool, off_vpool;
+    uint64_t off_tokens, off_index, off_kpool, off_vpool;
     uint64_t segment_size;     /* total bytes; a multiple of SHMKV_PAGE */
 } shmkv_layout_t;
 
@@ -240,7 +241,8 @@ typedef struct {
                                   Written under pool_lock; each counts one ref. */
 } shmkv_proc_t;
 
-/* ---- one sequence slot (64 bytes) --------------------------------------------------- */
+/* ---- one sequence slot (128 bytes) -------------------------------------------------- */
+enum { SHMKV_SEQF_UNTRACKED = 1u };  /* token ids not all known: no more block hashing */
 typedef struct {
     uint32_t state;            /* FREE / BUILDING / LIVE; written under pool_lock */
     uint32_t gen;              /* bumped on every allocation of the slot; part of the id */
@@ -248,11 +250,23 @@ typedef struct {
     uint64_t writer;           /* sequence lock: 0 or the holder's proc token (CAS) */
     uint32_t len;              /* published tokens; stored (release) by the writer */
     uint32_t nblocks;          /* valid table entries; under pool_lock */
-    uint32_t hashed;           /* leading table entries whose hash is published */
+    uint32_t hashed;           /* leading blocks whose hash is published in the index
+                                  (pool_lock); <= hash_ready */
     uint32_t priority;         /* for evict("priority"): lower goes first */
-    uint64_t last_access_ns;   /* for evict("lru") */
-    uint64_t access_count;     /* for evict("lfu") */
-    uint64_t created_ns;
+    uint64_t last_access_ns;   /* CLOCK_MONOTONIC_COARSE of the last use, evict("lru") */
+    uint64_t access_count;     /* uses, evict("lfu"); by the sequence-lock holder */
+    uint64_t created_ns;       /* CLOCK_REALTIME */
+    uint32_t flags;            /* SHMKV_SEQF_*; by the sequence-lock holder */
+    uint32_t hash_ready;       /* leading full blocks whose hash is computed into their
+                                  block meta (not yet findable); by the lock holder */
+    uint64_t salt[2];          /* digest of the cache salt, hashed into block 0; {0,0} none */
+    uint32_t trimmed;          /* tokens dropped by trim_streaming so far */
+    /* journal of an in-progress trim (pool_lock held throughout; recovery redoes it):
+     * drop trim_d blocks after the first trim_s, moving the trim_k after them left in
+     * chunks of at most trim_d entries; trim_chunk = chunk in progress; active iff
+     * trim_d != 0 */
+    uint32_t trim_s, trim_d, trim_k, trim_chunk, trim_len;
+    uint8_t  _pad[16];
 } shmkv_seq_t;
 
 /* ---- one hash-index entry (24 bytes): open addressing, linear probing --------------- */
@@ -268,7 +282,7 @@ _Static_assert(sizeof(shmkv_header_t) <= SHMKV_HEADER_SIZE, "header outgrew its 
 _Static_assert(sizeof(shmkv_shared_t) + SHMKV_SHARED_OFFSET <= SHMKV_PAGE,
                "shared state must fit in page 0");
 _Static_assert(sizeof(shmkv_block_t) == 48, "block meta size");
-_Static_assert(sizeof(shmkv_seq_t) == 64, "sequence slot size");
+_Static_assert(sizeof(shmkv_seq_t) == 128, "sequence slot size");
 _Static_assert(sizeof(shmkv_proc_t) == 64, "process slot size");
 _Static_assert(sizeof(shmkv_index_t) == 24, "index entry size");
 _Static_assert(offsetof(shmkv_shared_t, pool_lock) % SHMKV_LINE == 0, "lock on its own line");
@@ -291,6 +305,8 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     h = shmkv_mix(h, sizeof(shmkv_seq_t));
     h = shmkv_mix(h, offsetof(shmkv_seq_t, writer));
     h = shmkv_mix(h, offsetof(shmkv_seq_t, len));
+    h = shmkv_mix(h, offsetof(shmkv_seq_t, trim_s));
+    h = shmkv_mix(h, sizeof(shmkv_layout_t));
     h = shmkv_mix(h, sizeof(shmkv_index_t));
     h = shmkv_mix(h, SHMKV_INFLIGHT_PER_PROC);
     h = shmkv_mix(h, SHMKV_NCOUNTERS);
@@ -369,6 +385,8 @@ static inline int shmkv_layout_compute(const shmkv_config_t *c, shmkv_layout_t *
     if (pool / c->num_layers != ls || pool > LIMIT) return SHMKV_EINVAL;
     uint64_t tables = (uint64_t)c->max_seqs * c->max_blocks_per_seq * 4u;
     if (tables > LIMIT) return SHMKV_EINVAL;
+    uint64_t tokens = (uint64_t)c->num_blocks * c->block_size * 4u;
+    if (tokens > LIMIT) return SHMKV_EINVAL;
     uint64_t cap = 16;
     while (cap < 2ull * c->num_blocks) cap <<= 1;
 
@@ -383,6 +401,7 @@ static inline int shmkv_layout_compute(const shmkv_config_t *c, shmkv_layout_t *
     out->off_seqs = o;     o = shmkv_round_up(o + (uint64_t)c->max_seqs * sizeof(shmkv_seq_t), SHMKV_LINE);
     out->off_seq_free = o; o = shmkv_round_up(o + (uint64_t)c->max_seqs * 4u, SHMKV_LINE);
     out->off_tables = o;   o = shmkv_round_up(o + tables, SHMKV_LINE);
+    out->off_tokens = o;   o = shmkv_round_up(o + tokens, SHMKV_LINE);
     out->off_index = o;    o = shmkv_round_up(o + cap * sizeof(shmkv_index_t), SHMKV_PAGE);
     out->off_kpool = o;    o += pool;
     out->off_vpool = o;    o += pool;

@@ -24,9 +24,17 @@ cdef extern from "_layout.h" nogil:
     enum:
         SHMKV_BLOCK_HASHED
     enum:
+        SHMKV_SEQF_UNTRACKED
+    enum:
+        SHMKV_HASH_XXH, SHMKV_HASH_SHA256
+    enum:
         SHMKV_NCOUNTERS
         SHMKV_C_GATHERED_TOKENS
         SHMKV_C_APPENDED_TOKENS
+        SHMKV_C_PREFIX_QUERIES
+        SHMKV_C_PREFIX_HITS
+        SHMKV_C_EVICT_LRU
+        SHMKV_C_TRIMMED_BLOCKS
 
     ctypedef struct shmkv_config_t:
         uint32_t num_layers, num_kv_heads, head_dim, block_size
@@ -36,7 +44,7 @@ cdef extern from "_layout.h" nogil:
     ctypedef struct shmkv_layout_t:
         uint64_t token_bytes, block_bytes, layer_stride, index_capacity
         uint64_t off_blocks, off_free, off_procs, off_seqs, off_seq_free, off_tables
-        uint64_t off_index, off_kpool, off_vpool, segment_size
+        uint64_t off_tokens, off_index, off_kpool, off_vpool, segment_size
 
     ctypedef struct shmkv_header_t:
         uint64_t magic
@@ -69,6 +77,9 @@ cdef extern from "_layout.h" nogil:
         uint64_t owner, writer
         uint32_t len, nblocks, hashed, priority
         uint64_t last_access_ns, access_count, created_ns
+        uint32_t flags, hash_ready
+        uint64_t salt[2]
+        uint32_t trimmed, trim_s, trim_d, trim_k, trim_chunk, trim_len
 
     ctypedef struct shmkv_index_t:
         uint64_t hash[2]
