@@ -47,6 +47,7 @@ cdef extern from "_kernels.h" nogil:
                               uint64_t span, uint64_t iters)
     int64_t shmkv_now_ns(int clk)
     void shmkv_count(shmkv_ctx_t *c, int which, uint64_t v)
+    void shmkv_count_proc(shmkv_ctx_t *c, int which, uint64_t v)
     int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int readonly)
     int shmkv_seg_init(uint8_t *base, const shmkv_config_t *cfg, uint64_t pid,
                        uint64_t now_ns, uint64_t seed)

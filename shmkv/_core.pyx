@@ -1079,7 +1079,7 @@ cdef class Segment:
             shmkv_atomic_store_u32_release(&c.seqs[slot].len, <uint32_t>(pl.len + n))
             shmkv_crash(SHMKV_CP_APPEND_AFTER_PUBLISH)
             shmkv_seq_touch(c, slot)
-            shmkv_count(c, SHMKV_C_APPENDED_TOKENS, n)
+            shmkv_count_proc(c, SHMKV_PC_APPENDED, n)
             if c.seqs[slot].hash_ready > c.seqs[slot].hashed:
                 _pool_lock(c)
                 shmkv_seq_publish_locked(c, slot)
@@ -1110,7 +1110,7 @@ cdef class Segment:
         """
         cdef shmkv_ctx_t *c = self._c()
         cdef int64_t s = _as_sid(sid)
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, (int, np.integer))):
             raise TypeError(f"n: expected int, got {type(n).__name__}")
         if n < 1:
             raise ValueError(f"n: expected n >= 1, got {n}")
@@ -1142,7 +1142,7 @@ cdef class Segment:
                 self._hash_blocks(c, slot, pl.len + nn)
             shmkv_atomic_store_u32_release(&c.seqs[slot].len, <uint32_t>(pl.len + nn))
             shmkv_seq_touch(c, slot)
-            shmkv_count(c, SHMKV_C_APPENDED_TOKENS, nn)
+            shmkv_count_proc(c, SHMKV_PC_APPENDED, nn)
         finally:
             shmkv_seq_unlock(c, slot)
         return out
@@ -1240,7 +1240,7 @@ cdef class Segment:
                 shmkv_seq_copy(c, slot, a, b - a, c.kpool, kb, 0)
                 shmkv_seq_copy(c, slot, a, b - a, c.vpool, vb, 0)
             shmkv_seq_touch(c, slot)
-            shmkv_count(c, SHMKV_C_GATHERED_TOKENS, b - a)
+            shmkv_count_proc(c, SHMKV_PC_GATHERED, b - a)
         finally:
             shmkv_seq_unlock(c, slot)
         if out is not None:
@@ -1489,6 +1489,12 @@ cdef class Segment:
         shmkv_pool_unlock(c)
         for i in range(SHMKV_NCOUNTERS):
             counters[i] = shmkv_atomic_load_u64_relaxed(&sh.counters[i])
+        for i in range(c.cfg.max_procs):
+            if c.procs[i].state == SHMKV_PROC_ACTIVE:
+                counters[<int>SHMKV_C_APPENDED_TOKENS] += shmkv_atomic_load_u64_relaxed(
+                    &c.procs[i].counters[<int>SHMKV_PC_APPENDED])
+                counters[<int>SHMKV_C_GATHERED_TOKENS] += shmkv_atomic_load_u64_relaxed(
+                    &c.procs[i].counters[<int>SHMKV_PC_GATHERED])
         d = dict(num_blocks=c.cfg.num_blocks, free_blocks=free_top + cached,
                  used_blocks=c.cfg.num_blocks - free_top - cached, cached_blocks=cached,
                  num_sequences=num_seqs, max_seqs=c.cfg.max_seqs, num_processes=num_procs,
@@ -1798,6 +1804,10 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
         seqs.append(d)
     counters = {COUNTER_NAMES[j]: shmkv_atomic_load_u64_relaxed(&sh.counters[j])
                 for j in range(SHMKV_NCOUNTERS)}
+    for s in range(NP):
+        if c.procs[s].state == SHMKV_PROC_ACTIVE:
+            counters["appended_tokens"] += c.procs[s].counters[<int>SHMKV_PC_APPENDED]
+            counters["gathered_tokens"] += c.procs[s].counters[<int>SHMKV_PC_GATHERED]
     free_top = min(sh.free_top, NB)
     cached = min(sh.cached_count, NB)
     return dict(

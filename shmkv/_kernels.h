@@ -123,6 +123,20 @@ static inline void shmkv_count(shmkv_ctx_t *c, int which, uint64_t v) {
     shmkv_atomic_add_u64_relaxed(&c->sh->counters[which], v);
 }
 
+/* A hot-path counter of our own process slot (see shmkv_proc_t.counters). */
+static inline void shmkv_count_proc(shmkv_ctx_t *c, int which, uint64_t v) {
+    if (c->proc_slot < c->cfg.max_procs)
+        shmkv_atomic_add_u64_relaxed(&c->procs[c->proc_slot].counters[which], v);
+}
+
+/* Moves a process slot's counters into the global ones (pool_lock; slot released). */
+static void shmkv__fold_proc_counters(shmkv_ctx_t *c, shmkv_proc_t *p) {
+    uint64_t a = __atomic_exchange_n(&p->counters[SHMKV_PC_APPENDED], 0, __ATOMIC_RELAXED);
+    uint64_t g = __atomic_exchange_n(&p->counters[SHMKV_PC_GATHERED], 0, __ATOMIC_RELAXED);
+    shmkv_count(c, SHMKV_C_APPENDED_TOKENS, a);
+    shmkv_count(c, SHMKV_C_GATHERED_TOKENS, g);
+}
+
 /* ---- bind: validate a mapped segment and fill the ctx ------------------------------- */
 /* Precondition: base maps `size` bytes.  Checks, in order: size, magic, version and ABI,
  * readiness, checksum, the layout recomputed from the config, the real size.  Reads the
@@ -1014,6 +1028,7 @@ static int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid
         p->pid_start = pid_start;
         p->attach_time_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
         for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) p->inflight[j] = SHMKV_NIL;
+        shmkv__fold_proc_counters(c, p);   /* a slot released by a crash mid-fold */
         shmkv_atomic_store_u32(&p->gen, gen);
         shmkv_atomic_store_u32(&p->state, SHMKV_PROC_ACTIVE);
         c->sh->num_procs++;
@@ -1035,6 +1050,7 @@ static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
         p->inflight[j] = SHMKV_NIL;
         if (shmkv_block_ok(c, b)) shmkv_block_decref_locked(c, b);
     }
+    shmkv__fold_proc_counters(c, p);
     shmkv_atomic_store_u32(&p->state, SHMKV_PROC_FREE);
     if (c->sh->num_procs > 0) c->sh->num_procs--;
     struct flock fl;
@@ -1074,6 +1090,7 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
         uint64_t tok = ((uint64_t)p->gen << 32) | (uint64_t)(s + 1);
         if (p->state != SHMKV_PROC_ACTIVE || !shmkv_proc_alive(c, tok)) {
             for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) p->inflight[j] = SHMKV_NIL;
+            shmkv__fold_proc_counters(c, p);
             shmkv_atomic_store_u32(&p->state, SHMKV_PROC_FREE);
             r->processes++;
         } else {

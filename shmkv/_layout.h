@@ -228,7 +228,8 @@ typedef struct {
     uint32_t _pad;
 } shmkv_block_t;
 
-/* ---- one attached process (64 bytes + in-flight records) --------------------------- */
+/* ---- one attached process (128 bytes: two cache lines, none shared with another) ---- */
+enum { SHMKV_PC_APPENDED = 0, SHMKV_PC_GATHERED = 1, SHMKV_PROC_COUNTERS = 4 };
 typedef struct {
     uint32_t state;            /* FREE / ACTIVE; written under pool_lock */
     uint32_t gen;              /* bumped each time the slot is taken: tokens never repeat */
@@ -239,6 +240,13 @@ typedef struct {
                                /* blocks this process holds outside every table (a
                                   copy-on-write target being filled); NIL = empty.
                                   Written under pool_lock; each counts one ref. */
+    uint64_t counters[SHMKV_PROC_COUNTERS];
+                               /* hot-path statistics of this process (appended and
+                                  gathered tokens), kept here so processes do not bounce
+                                  one shared line per token; relaxed atomics by the owner.
+                                  stats() adds them to the global counters; when the
+                                  slot is released they are folded in (pool_lock). */
+    uint8_t  _pad[32];
 } shmkv_proc_t;
 
 /* ---- one sequence slot (128 bytes) -------------------------------------------------- */
@@ -283,7 +291,7 @@ _Static_assert(sizeof(shmkv_shared_t) + SHMKV_SHARED_OFFSET <= SHMKV_PAGE,
                "shared state must fit in page 0");
 _Static_assert(sizeof(shmkv_block_t) == 48, "block meta size");
 _Static_assert(sizeof(shmkv_seq_t) == 128, "sequence slot size");
-_Static_assert(sizeof(shmkv_proc_t) == 64, "process slot size");
+_Static_assert(sizeof(shmkv_proc_t) == 128, "process slot size");
 _Static_assert(sizeof(shmkv_index_t) == 24, "index entry size");
 _Static_assert(offsetof(shmkv_shared_t, pool_lock) % SHMKV_LINE == 0, "lock on its own line");
 _Static_assert(SHMKV_NCOUNTERS <= SHMKV_COUNTER_SLOTS, "too many counters");
@@ -309,6 +317,7 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     h = shmkv_mix(h, sizeof(shmkv_layout_t));
     h = shmkv_mix(h, sizeof(shmkv_index_t));
     h = shmkv_mix(h, SHMKV_INFLIGHT_PER_PROC);
+    h = shmkv_mix(h, offsetof(shmkv_proc_t, counters));
     h = shmkv_mix(h, SHMKV_NCOUNTERS);
     return h;
 }

@@ -71,6 +71,9 @@ cdef extern from "_layout.h" nogil:
         uint32_t state, gen
         uint64_t pid, pid_start, attach_time_ns
         uint32_t inflight[8]
+        uint64_t counters[4]
+    enum:
+        SHMKV_PC_APPENDED, SHMKV_PC_GATHERED
 
     ctypedef struct shmkv_seq_t:
         uint32_t state, gen
