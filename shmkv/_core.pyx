@@ -1536,6 +1536,25 @@ cdef int64_t _token_index(object x, str what) except? -1:
     return <int64_t>x
 
 
+cdef uint32_t _check_id_stack(list bad, str what, const uint32_t *stack, uint32_t top,
+                              uint32_t limit, uint8_t *mark):
+    """Bounds and duplicates of a stack of ids (marking each with 1); returns the top,
+    clamped to 0 when it is out of range itself."""
+    cdef uint32_t i, x
+    if top > limit:
+        bad.append(f"{what}: top {top} > capacity {limit}")
+        return 0
+    for i in range(top):
+        x = stack[i]
+        if x >= limit:
+            bad.append(f"{what}[{i}] = {x} is out of range (< {limit})")
+        elif mark[x]:
+            bad.append(f"{what}: {x} appears twice")
+        else:
+            mark[x] = 1
+    return top
+
+
 cdef list _check_locked(shmkv_ctx_t *c):
     """All invariants; the pool lock is held.  Bounded work, bounded output."""
     cdef list bad = []
@@ -1614,19 +1633,12 @@ cdef list _check_locked(shmkv_ctx_t *c):
                            "(table entries + in-flight)")
             if rc > 0:
                 nused += 1
-        top = c.sh.free_top
         cc = c.sh.cached_count
-        if top > NB:
-            bad.append(f"free list: top {top} > num_blocks {NB}")
-            top = 0
+        top = _check_id_stack(bad, "free list", c.free_stack, c.sh.free_top, NB, mark)
         for i in range(top):
             b = c.free_stack[i]
             if b >= NB:
-                bad.append(f"free list[{i}] = {b} is not a block id")
                 continue
-            if mark[b]:
-                bad.append(f"free list: block {b} appears twice")
-            mark[b] = 1
             if c.blocks[b].ref_cnt != 0:
                 bad.append(f"free list: block {b} has ref_cnt {c.blocks[b].ref_cnt}")
             if c.blocks[b].flags & SHMKV_BLOCK_HASHED:
@@ -1663,18 +1675,12 @@ cdef list _check_locked(shmkv_ctx_t *c):
         if top + cc + nused != NB:
             bad.append(f"counts: free {top} + cached {cc} + used {nused} != num_blocks {NB}")
         # sequence slots
-        nfree_slots = c.sh.seq_free_top
-        if nfree_slots > NS:
-            bad.append(f"sequence free stack: top {nfree_slots} > max_seqs {NS}")
-            nfree_slots = 0
+        nfree_slots = _check_id_stack(bad, "sequence free stack", c.seq_free,
+                                      c.sh.seq_free_top, NS, smark)
         for i in range(nfree_slots):
             s = c.seq_free[i]
             if s >= NS:
-                bad.append(f"sequence free stack[{i}] = {s} is not a slot")
                 continue
-            if smark[s]:
-                bad.append(f"sequence free stack: slot {s} appears twice")
-            smark[s] = 1
             if c.seqs[s].state != SHMKV_SEQ_FREE:
                 bad.append(f"sequence free stack: slot {s} is not free")
         if nfree_slots + live != NS:
