@@ -624,6 +624,26 @@ cdef class Segment:
         return 0
 
     # ---- growing a sequence: shared by append and reserve ------------------------------
+    cdef int _lock_and_grow(self, shmkv_ctx_t *c, int64_t s, uint64_t n, uint32_t *slot,
+                            shmkv_grow_plan_t *pl) except -1:
+        """Takes the sequence lock and makes room for n more tokens.  Returns holding
+        the lock; on an error the lock is released and nothing was published."""
+        cdef int st
+        _seq_lock(c, s, slot)
+        try:
+            st = shmkv_seq_plan(c, slot[0], n, pl)
+            if st != SHMKV_OK:
+                self._plan_error(st, s, n)
+            if pl.new_blocks or pl.cow:
+                self._grow(c, slot[0], n, pl, s)
+            st = shmkv_seq_check_span(c, slot[0], pl.len, n)
+            if st != SHMKV_OK:
+                _raise(st, f"sequence {s}")
+        except BaseException:
+            shmkv_seq_unlock(c, slot[0])
+            raise
+        return 0
+
     cdef int _grow(self, shmkv_ctx_t *c, uint32_t slot, uint64_t n,
                    shmkv_grow_plan_t *pl, int64_t sid) except -1:
         """Caller holds the sequence lock.  Makes room for n tokens after pl.len: new
@@ -1054,16 +1074,8 @@ cdef class Segment:
         cdef uint8_t *kb = <uint8_t *>cnp.PyArray_DATA(ka)
         cdef uint8_t *vb = <uint8_t *>cnp.PyArray_DATA(va)
         cdef cnp.ndarray ids = None if tokens is None else _as_ids(tokens, n)
-        _seq_lock(c, s, &slot)
+        self._lock_and_grow(c, s, n, &slot, &pl)
         try:
-            st = shmkv_seq_plan(c, slot, n, &pl)
-            if st != SHMKV_OK:
-                self._plan_error(st, s, n)
-            if pl.new_blocks or pl.cow:
-                self._grow(c, slot, n, &pl, s)
-            st = shmkv_seq_check_span(c, slot, pl.len, n)
-            if st != SHMKV_OK:
-                _raise(st, f"sequence {s}")
             if ids is None:
                 c.seqs[slot].flags |= SHMKV_SEQF_UNTRACKED
             else:
@@ -1124,16 +1136,8 @@ cdef class Segment:
         dims[0] = <cnp.npy_intp>nn
         cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
         cdef cnp.ndarray ids = None if tokens is None else _as_ids(tokens, nn)
-        _seq_lock(c, s, &slot)
+        self._lock_and_grow(c, s, nn, &slot, &pl)
         try:
-            st = shmkv_seq_plan(c, slot, nn, &pl)
-            if st != SHMKV_OK:
-                self._plan_error(st, s, nn)
-            if pl.new_blocks or pl.cow:
-                self._grow(c, slot, nn, &pl, s)
-            st = shmkv_seq_check_span(c, slot, pl.len, nn)
-            if st != SHMKV_OK:
-                _raise(st, f"sequence {s}")
             shmkv_seq_slots(c, slot, pl.len, nn, <int64_t *>cnp.PyArray_DATA(out))
             if ids is None:
                 c.seqs[slot].flags |= SHMKV_SEQF_UNTRACKED
