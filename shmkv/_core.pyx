@@ -1002,18 +1002,12 @@ cdef class Segment:
         cdef shmkv_ctx_t *c = self._c()
         cdef int64_t s = _as_sid(sid)
         cdef uint32_t slot
-        cdef int64_t a, b, L
+        cdef int64_t a, b
         cdef cnp.ndarray out
         cdef cnp.npy_intp dims[1]
         _seq_lock(c, s, &slot)
         try:
-            L = c.seqs[slot].len
-            a = 0 if start is None else _token_index(start, "start")
-            b = L if stop is None else _token_index(stop, "stop")
-            if not (0 <= a <= b <= L):
-                raise IndexError(
-                    f"token range: expected 0 <= start <= stop <= {L} (sequence {s} "
-                    f"length), got [{a}, {b})")
+            _token_range(start, stop, c.seqs[slot].len, s, &a, &b)
             dims[0] = b - a
             out = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT32, 0)
             if shmkv_seq_check_span(c, slot, a, b - a) != SHMKV_OK:
@@ -1215,20 +1209,14 @@ cdef class Segment:
         cdef shmkv_ctx_t *c = self._c()
         cdef int64_t s = _as_sid(sid)
         cdef uint32_t slot
-        cdef int64_t a, b, L
+        cdef int64_t a, b
         cdef int st
         cdef cnp.ndarray ko, vo
         cdef uint8_t *kb
         cdef uint8_t *vb
         _seq_lock(c, s, &slot)
         try:
-            L = c.seqs[slot].len
-            a = 0 if start is None else _token_index(start, "start")
-            b = L if stop is None else _token_index(stop, "stop")
-            if not (0 <= a <= b <= L):
-                raise IndexError(
-                    f"token range: expected 0 <= start <= stop <= {L} (sequence {s} "
-                    f"length), got [{a}, {b})")
+            _token_range(start, stop, c.seqs[slot].len, s, &a, &b)
             shape = (c.cfg.num_layers, b - a, c.cfg.num_kv_heads, c.cfg.head_dim)
             if out is None:
                 ko = np.empty(shape, self._dtype)
@@ -1530,6 +1518,18 @@ cdef class Segment:
         return dict(proc_slot=c.proc_slot, proc_token=c.proc_token,
                     layout=_layout_dict(&c.lay), hash_seed=c.hdr.hash_seed,
                     creator_pid=c.hdr.creator_pid, create_time_ns=c.hdr.create_time_ns)
+
+
+cdef int _token_range(object start, object stop, int64_t L, int64_t s, int64_t *a,
+                      int64_t *b) except -1:
+    """[start, stop) of a sequence of length L, None meaning its ends."""
+    a[0] = 0 if start is None else _token_index(start, "start")
+    b[0] = L if stop is None else _token_index(stop, "stop")
+    if not (0 <= a[0] <= b[0] <= L):
+        raise IndexError(
+            f"token range: expected 0 <= start <= stop <= {L} (sequence {s} length), "
+            f"got [{a[0]}, {b[0]})")
+    return 0
 
 
 cdef int64_t _token_index(object x, str what) except? -1:
