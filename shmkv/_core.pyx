@@ -1219,8 +1219,8 @@ cdef class Segment:
             _token_range(start, stop, c.seqs[slot].len, s, &a, &b)
             shape = (c.cfg.num_layers, b - a, c.cfg.num_kv_heads, c.cfg.head_dim)
             if out is None:
-                ko = np.empty(shape, self._dtype)
-                vo = np.empty(shape, self._dtype)
+                ko = _aligned_empty(shape, self._dtype)
+                vo = _aligned_empty(shape, self._dtype)
             else:
                 ko, vo = self._check_out(out, shape)
             st = shmkv_seq_check_span(c, slot, a, b - a)
@@ -1518,6 +1518,18 @@ cdef class Segment:
         return dict(proc_slot=c.proc_slot, proc_token=c.proc_token,
                     layout=_layout_dict(&c.lay), hash_seed=c.hdr.hash_seed,
                     creator_pid=c.hdr.creator_pid, create_time_ns=c.hdr.create_time_ns)
+
+
+cdef object _aligned_empty(tuple shape, object dtype):
+    """np.empty with its data on a 64-byte (cache-line) boundary: whole-line copies,
+    and no false sharing with a neighbour allocation."""
+    cdef Py_ssize_t n = dtype.itemsize
+    for d in shape:
+        n *= d
+    raw = np.empty(n + 64, np.uint8)
+    cdef size_t addr = <size_t>cnp.PyArray_DATA(raw)
+    cdef Py_ssize_t off = (64 - <Py_ssize_t>(addr % 64)) % 64
+    return raw[off:off + n].view(dtype).reshape(shape)
 
 
 cdef int _token_range(object start, object stop, int64_t L, int64_t s, int64_t *a,
