@@ -1,0 +1,44 @@
+"""Worker functions for tests/test_recovery.py (spawned processes import this module)."""
+import os
+
+import numpy as np
+
+import shmkv
+import shmkv._core as _core
+
+
+def tokens(cfg, n, value):
+    a = np.full((cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim), value, cfg.numpy_dtype)
+    return a
+
+
+def open_segment(name, cfg, barrier, out_q):
+    barrier.wait(timeout=30)
+    cache = shmkv.KVCache.open(name, cfg)
+    try:
+        created = cache._debug_info()["creator_pid"] == os.getpid()
+        out_q.put((os.getpid(), created, cache.config == cfg))
+    finally:
+        cache.close()
+
+
+def die_at(name, point, sid, n):
+    """Arm a crash point, then append n tokens to sid (dies inside the operation)."""
+    cache = shmkv.KVCache.attach(name)
+    _core.set_crash_point(point)
+    cache.append(sid, tokens(cache.config, n, 7), tokens(cache.config, n, 7))
+    os._exit(0)          # not reached when the crash point fires
+
+
+def own_and_exit(name, q, detach_one):
+    cache = shmkv.KVCache.attach(name)
+    a = cache.create_sequence()
+    b = cache.create_sequence()
+    cache.append(a, tokens(cache.config, 5, 1), tokens(cache.config, 5, 1))
+    cache.append(b, tokens(cache.config, 5, 2), tokens(cache.config, 5, 2))
+    if detach_one:
+        cache.detach(b)
+    q.put((a, b))
+    q.close()
+    q.join_thread()      # the message is out before we go
+    os._exit(0)          # no close(): like a crash after the work
