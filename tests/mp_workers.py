@@ -322,3 +322,55 @@ def churn(name, wid, prompt_sid, prompt_n, prompt_seed, steps, seed, out):
             assert_same(gv, pv, "prompt v")
             return counts
     _report(out, body)
+
+
+def race_for_slots(name, wid, barrier, out):
+    """Create sequences until the slots run out; every create either returns a new id or
+    raises CacheFullError."""
+    def body():
+        with shmkv.KVCache.attach(name) as cache:
+            barrier.wait(timeout=60)
+            mine, fails = [], 0
+            while fails < 3:
+                try:
+                    sid = cache.create_sequence()
+                except shmkv.CacheFullError:
+                    fails += 1
+                    continue
+                cache.detach(sid)
+                mine.append(sid)
+            return mine
+    _report(out, body)
+
+
+def publish_writer(name, shared_sid, done, seconds, chunk, out):
+    """Round after round: a new sequence, published through `shared_sid`, grown by
+    appends of `chunk` tokens until the pool is nearly full, then freed.  Token i of round
+    r holds the value r * 10000 + i + 1 in every element (float32, exact)."""
+    import time
+
+    def body():
+        with shmkv.KVCache.attach(name) as cache:
+            cfg = cache.config
+            assert cfg.dtype == "float32"
+            shape = (cfg.num_layers, chunk, cfg.num_kv_heads, cfg.head_dim)
+            pos = np.broadcast_to(np.arange(chunk, dtype=np.float32)[None, :, None, None],
+                                  shape)
+            cap = (cfg.num_blocks * cfg.block_size) // chunk - 1
+            rounds = appends = 0
+            end = time.monotonic() + seconds
+            try:
+                while time.monotonic() < end:
+                    rounds += 1
+                    sid = cache.create_sequence()
+                    shared_sid.value = sid
+                    for c in range(cap):
+                        k = pos + np.float32(rounds * 10000 + c * chunk + 1)
+                        cache.append(sid, k, k)
+                        appends += 1
+                    shared_sid.value = -1
+                    cache.free(sid)
+            finally:
+                done.set()
+            return dict(rounds=rounds, appends=appends)
+    _report(out, body)
