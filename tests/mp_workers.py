@@ -227,7 +227,7 @@ def race_for_blocks(name, wid, chunk_blocks, barrier, out):
     _report(out, body)
 
 
-def churn(name, wid, prompt_sid, prompt_n, prompt_seed, steps, seed, out):
+def churn(name, wid, prompt_sid, prompt_n, prompt_seed, steps, seed, out, max_own=5):
     """Random create/fork/append/reserve+write/gather/free on this worker's own sequences
     (and forks of a shared detached prompt), every gather checked against a model.  Frees
     everything at the end."""
@@ -237,7 +237,7 @@ def churn(name, wid, prompt_sid, prompt_n, prompt_seed, steps, seed, out):
             cfg = cache.config
             pk, pv = tokens(cfg, prompt_n, prompt_seed)
             model = {}                  # sid -> (k, v)
-            counts = dict(full=0, ops=0, cow_forks=0)
+            counts = dict(full=0, ops=0, cow_forks=0, appended=0)
             tag = [0]
 
             def fresh(n):
@@ -255,6 +255,8 @@ def churn(name, wid, prompt_sid, prompt_n, prompt_seed, steps, seed, out):
                                  "reserve", "gather", "free", "free", "check"])
                 counts["ops"] += 1
                 sids = sorted(model)
+                if len(sids) >= max_own and op in ("create", "fork_prompt", "fork"):
+                    op = "free"                 # leave slots for the other workers
                 try:
                     if op == "create" or (op in ("append", "reserve", "fork", "gather",
                                                  "free") and not sids):
@@ -280,6 +282,7 @@ def churn(name, wid, prompt_sid, prompt_n, prompt_seed, steps, seed, out):
                             assert cache.seq_len(sid) == before
                             check_seq(sid)
                         else:
+                            counts["appended"] += 1
                             mk, mv = model[sid]
                             model[sid] = (np.concatenate([mk, k], 1),
                                           np.concatenate([mv, v], 1))

@@ -117,7 +117,7 @@ def test_dead_owner_is_reclaimed_detached_survives(cache, spawn, tmp_path):
 
 
 def test_four_processes_append_fork_free_at_once(make_cache, spawn, tmp_path):
-    cache = make_cache(num_blocks=48, max_seqs=24)
+    cache = make_cache(num_blocks=24, max_seqs=24)    # small: CacheFullError happens
     cfg = cache.config
     pk, pv = tokens(cfg, 6, 1234)
     prompt = cache.create_sequence()
@@ -143,6 +143,34 @@ def test_four_processes_append_fork_free_at_once(make_cache, spawn, tmp_path):
     cache.free(prompt)
     st = cache.stats()
     assert st["free_blocks"] == cfg.num_blocks and st["used_blocks"] == 0
+    assert_consistent(cache)
+
+
+def test_threads_share_one_handle(make_cache, tmp_path):
+    """The copies run without the GIL: threads of one process on one segment (each with
+    its own handle, all on one attachment) must be as safe as processes."""
+    import threading
+
+    cache = make_cache(num_blocks=24, max_seqs=24)
+    pk, pv = tokens(cache.config, 6, 99)
+    prompt = cache.create_sequence()
+    cache.append(prompt, pk, pv)
+    outs = [str(tmp_path / f"thread{i}.json") for i in range(4)]
+    threads = [threading.Thread(target=w.churn, args=(cache.name, i, prompt, 6, 99, 150,
+                                                      10 + i, outs[i]))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_S)
+        assert not t.is_alive()
+    reports = [read_report(o) for o in outs]
+    assert sum(r["ops"] for r in reports) == 4 * 150
+    assert cache.sequences() == [prompt]
+    assert_same(cache.gather(prompt)[0], pk)
+    assert cache.stats()["num_processes"] == 1
+    cache.free(prompt)
+    assert cache.stats()["free_blocks"] == cache.config.num_blocks
     assert_consistent(cache)
 
 
