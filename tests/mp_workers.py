@@ -377,3 +377,32 @@ def publish_writer(name, shared_sid, done, seconds, chunk, out):
                 done.set()
             return dict(rounds=rounds, appends=appends)
     _report(out, body)
+
+
+def build_owned(name, n, seed, out):
+    """Create a sequence and leave without detaching it: close() reclaims it at once."""
+    def body():
+        cache = shmkv.KVCache.attach(name)
+        k, v = tokens(cache.config, n, seed)
+        sid = cache.create_sequence()
+        cache.append(sid, k, v)
+        child = cache.fork(sid)
+        cache.append(child, k[:, :1], v[:, :1])
+        cache.close()
+        return [sid, child]
+    _report(out, body)
+
+
+def adopt_and_die(name, sid, out):
+    """Adopt a detached sequence, then die without closing."""
+    try:
+        cache = shmkv.KVCache.attach(name)
+        cache.adopt(sid)
+        assert cache.owner_pid(sid) == os.getpid()
+        with open(out, "w") as f:
+            json.dump({"result": os.getpid()}, f)
+    except BaseException:
+        with open(out, "w") as f:
+            json.dump({"error": traceback.format_exc()}, f)
+        os._exit(1)
+    os._exit(0)

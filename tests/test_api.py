@@ -878,3 +878,18 @@ def test_lock_timeout_setting(cache):
         with pytest.raises(ValueError):
             cache.lock_timeout = bad
     assert cache.lock_timeout == pytest.approx(2.5)
+
+
+def test_attach_close_cycles_do_not_leak_process_slots(seg_name):
+    cfg = shmkv.CacheConfig(**{**SMALL, "max_procs": 2})
+    shmkv.KVCache.create(seg_name, cfg).close()
+    for i in range(30):
+        with shmkv.KVCache.attach(seg_name, prefault=bool(i % 2), recover=bool(i % 3)) as c:
+            assert c.stats()["num_processes"] == 1
+            sid = c.create_sequence()
+            c.detach(sid)
+    with shmkv.KVCache.attach(seg_name) as c:
+        assert len(c.sequences()) == 30
+        for s in c.sequences():
+            c.free(s)
+        assert_consistent(c)

@@ -277,3 +277,51 @@ def test_zero_copy_reader_never_sees_unpublished_tokens(make_cache, spawn, tmp_p
     assert cache.sequences() == []
     assert_consistent(cache)
     assert cache.stats()["free_blocks"] == cfg.num_blocks
+
+
+def test_close_reclaims_owned_sequences_at_once(cache, spawn, tmp_path):
+    out = str(tmp_path / "owned.json")
+    sid, child = finish(spawn(w.build_owned, cache.name, 10, 1, out), out)
+    # no recover() needed: the worker's close() gave everything back
+    assert cache.sequences() == []
+    for s in (sid, child):
+        with pytest.raises(shmkv.SequenceNotFound):
+            cache.gather(s)
+    st = cache.stats()
+    assert st["free_blocks"] == cache.config.num_blocks and st["num_processes"] == 1
+    assert_consistent(cache)
+
+
+def test_adopter_dies_sequence_reclaimed(cache, spawn, tmp_path):
+    k, v = tokens(cache.config, 7, 2)
+    sid = cache.create_sequence()
+    cache.append(sid, k, v)
+    cache.detach(sid)
+    out = str(tmp_path / "adopt.json")
+    pid = finish(spawn(w.adopt_and_die, cache.name, sid, out), out)
+    assert cache.owner_pid(sid) == pid            # owned by a dead process ...
+    r = cache.recover()                            # ... until a recovery
+    assert r["sequences"] == 1 and r["blocks"] == 2
+    assert cache.sequences() == []
+    assert cache.stats()["free_blocks"] == cache.config.num_blocks
+    assert_consistent(cache)
+
+
+def test_dead_processes_do_not_fill_the_process_table(make_cache, spawn, tmp_path):
+    """max_procs=2 and this process holds one slot: three workers in a row attach, leave
+    a sequence behind and die without closing; each attach must still find a slot
+    (recovery frees the dead ones' slots)."""
+    cache = make_cache(max_procs=2)
+    kept = []
+    for i in range(3):
+        out = str(tmp_path / f"die{i}.json")
+        sid, keep, _ = finish(spawn(w.die_holding, cache.name, 5, i, out), out)
+        kept.append(keep)
+    cache.recover()
+    assert sorted(cache.sequences()) == sorted(kept)
+    for i, s in enumerate(kept):
+        assert_same(cache.gather(s)[0], tokens(cache.config, 5, i)[0])
+        cache.free(s)
+    st = cache.stats()
+    assert st["num_processes"] == 1 and st["free_blocks"] == cache.config.num_blocks
+    assert_consistent(cache)
