@@ -406,3 +406,88 @@ def adopt_and_die(name, sid, out):
             json.dump({"error": traceback.format_exc()}, f)
         os._exit(1)
     os._exit(0)
+
+
+def chunk_data(cfg, sid, c, chunk=3):
+    """The c-th chunk appended to sequence sid by `appender`."""
+    return tokens(cfg, chunk, sid * 1000 + c)
+
+
+def appender(name, shared_sid, done, seconds, cap, out):
+    """Round after round: a new sequence (published in shared_sid) grown by `cap` appends
+    of 3 tokens (chunk_data), then freed."""
+    import time
+
+    def body():
+        with shmkv.KVCache.attach(name) as cache:
+            cfg = cache.config
+            rounds = 0
+            end = time.monotonic() + seconds
+            try:
+                while time.monotonic() < end:
+                    rounds += 1
+                    sid = cache.create_sequence()
+                    shared_sid.value = sid
+                    for c in range(cap):
+                        cache.append(sid, *chunk_data(cfg, sid, c))
+                    k, v = cache.gather(sid)
+                    want = [chunk_data(cfg, sid, c) for c in range(cap)]
+                    assert_same(k, np.concatenate([w[0] for w in want], 1), "appender k")
+                    assert_same(v, np.concatenate([w[1] for w in want], 1), "appender v")
+                    shared_sid.value = -1
+                    cache.free(sid)
+            finally:
+                done.set()
+            return rounds
+    _report(out, body)
+
+
+def forker(name, shared_sid, done, out):
+    """Fork the sequence `appender` is growing, again and again: a fork sees a whole
+    number of appends (never half of one), exactly the appender's data, and its own
+    appends never show in the parent."""
+    def body():
+        with shmkv.KVCache.attach(name) as cache:
+            cfg = cache.config
+            memo = {}
+            forks = own = 0
+            while not done.is_set():
+                sid = shared_sid.value
+                if sid < 0:
+                    continue
+                try:
+                    child = cache.fork(sid)
+                except (shmkv.SequenceNotFound, shmkv.CacheFullError):
+                    continue
+                forks += 1
+                n = cache.seq_len(child)
+                assert n % 3 == 0, f"fork saw {n} tokens: part of an append"
+                for c in range(n // 3):
+                    if (sid, c) not in memo:
+                        memo[(sid, c)] = chunk_data(cfg, sid, c)
+                parts = [memo[(sid, c)] for c in range(n // 3)]
+                wk = np.concatenate([empty_kv(cfg)[0]] + [p[0] for p in parts], 1)
+                wv = np.concatenate([empty_kv(cfg)[1]] + [p[1] for p in parts], 1)
+                gk, gv = cache.gather(child)
+                assert_same(gk, wk, f"fork of {sid} at {n}: k")
+                assert_same(gv, wv, f"fork of {sid} at {n}: v")
+                mine = tokens(cfg, 2, forks)
+                try:
+                    cache.append(child, *mine)
+                except shmkv.CacheFullError:
+                    pass
+                else:
+                    own += 1
+                    gk, gv = cache.gather(child)
+                    assert_same(gk, np.concatenate([wk, mine[0]], 1), "child k")
+                    assert_same(gv, np.concatenate([wv, mine[1]], 1), "child v")
+                    try:                   # the parent still has its own data there
+                        pk, _ = cache.gather(sid, n, min(n + 2, cache.seq_len(sid)))
+                        if pk.shape[1]:
+                            c0 = memo.get((sid, n // 3)) or chunk_data(cfg, sid, n // 3)
+                            assert_same(pk, c0[0][:, :pk.shape[1]], "parent after fork")
+                    except shmkv.SequenceNotFound:
+                        pass
+                cache.free(child)
+            return dict(forks=forks, own=own)
+    _report(out, body)

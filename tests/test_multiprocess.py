@@ -325,3 +325,20 @@ def test_dead_processes_do_not_fill_the_process_table(make_cache, spawn, tmp_pat
     st = cache.stats()
     assert st["num_processes"] == 1 and st["free_blocks"] == cache.config.num_blocks
     assert_consistent(cache)
+
+
+def test_fork_while_another_process_appends(make_cache, spawn, tmp_path):
+    """fork takes the published state only: a fork made while another process appends
+    sees whole appends, the right data, and the two never see each other's new tokens."""
+    cache = make_cache(num_blocks=128, block_size=4, max_seqs=8)   # never short
+    shared_sid = spawn.ctx.Value("q", -1, lock=False)
+    done = spawn.ctx.Event()
+    out_a, out_f = str(tmp_path / "appender.json"), str(tmp_path / "forker.json")
+    a = spawn(w.appender, cache.name, shared_sid, done, 1.5, 40, out_a)
+    f = spawn(w.forker, cache.name, shared_sid, done, out_f)
+    rounds = finish(a, out_a)
+    res = finish(f, out_f)
+    assert rounds >= 1 and res["forks"] >= 1, (rounds, res)
+    assert cache.sequences() == []
+    assert_consistent(cache)
+    assert cache.stats()["free_blocks"] == cache.config.num_blocks
