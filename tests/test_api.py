@@ -893,3 +893,35 @@ def test_attach_close_cycles_do_not_leak_process_slots(seg_name):
         for s in c.sequences():
             c.free(s)
         assert_consistent(c)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, num_blocks=40),
+    dict(num_layers=3, num_kv_heads=1, head_dim=5, block_size=3, num_blocks=30),
+    dict(num_layers=1, num_kv_heads=4, head_dim=32, block_size=16, num_blocks=8,
+         dtype="float32"),
+    dict(num_layers=4, num_kv_heads=3, head_dim=7, block_size=5, num_blocks=20,
+         dtype="int8", max_seq_len=23),
+])
+def test_odd_shapes_round_trip(make_cache, shape):
+    cache = make_cache(**shape)
+    cfg = cache.config
+    bs = cfg.block_size
+    n = min(cfg.max_seq_len, 2 * bs + 1, cfg.num_blocks * bs // 2)
+    k, v = tokens(cfg, n, 1)
+    a = cache.create_sequence()
+    cache.append(a, k[:, :1], v[:, :1])
+    cache.append(a, k[:, 1:], v[:, 1:])
+    b = cache.fork(a)
+    k2, v2 = tokens(cfg, 2, 2)
+    cache.append(b, k2, v2)
+    slots = cache.reserve(a, 1)
+    for layer in range(cfg.num_layers):
+        cache.write(layer, slots, v2[layer, :1], k2[layer, :1])
+    assert_same(cache.gather(a)[0], np.concatenate([k, v2[:, :1]], 1))
+    assert_same(cache.gather(a)[1], np.concatenate([v, k2[:, :1]], 1))
+    assert_same(cache.gather(b)[0], np.concatenate([k, k2], 1))
+    assert_same(cache.gather(b, n - 1, n + 1)[1], np.concatenate([v[:, -1:], v2[:, :1]], 1))
+    # b copied the shared partial block (if any); a was then its only holder
+    assert cache.stats()["cow_copies"] == (1 if n % bs else 0)
+    assert_consistent(cache)
