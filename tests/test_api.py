@@ -402,6 +402,7 @@ def test_attach_grown_segment_is_segment_error(seg_name):
     (16, b"\x01\x02\x03\x04\x05\x06\x07\x08", "abi fingerprint"),
     (24, (1 << 40).to_bytes(8, "little"), "segment size"),
     (40, (3).to_bytes(4, "little"), "config (checksum)"),
+    (512, (0xDEADBEEF).to_bytes(4, "little"), "segment state"),
 ])
 def test_attach_patched_header_is_segment_error(seg_name, offset, data, what):
     _make_real(seg_name)
@@ -410,6 +411,20 @@ def test_attach_patched_header_is_segment_error(seg_name, offset, data, what):
     _patch(seg_name, offset, data)
     with pytest.raises(shmkv.SegmentError):
         shmkv.KVCache.attach(seg_name, timeout=0.5)
+
+
+def test_attach_waits_for_a_segment_still_being_built(seg_name):
+    """A segment whose creator never finished building it (state INIT): attach waits for
+    `timeout` seconds, then SegmentError."""
+    import time
+
+    _make_real(seg_name)
+    _patch(seg_name, 512, (0x494E4954).to_bytes(4, "little"))       # SHMKV_STATE_INIT
+    t0 = time.monotonic()
+    with pytest.raises(shmkv.SegmentError):
+        shmkv.KVCache.attach(seg_name, timeout=0.4)
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 5, took
 
 
 def test_patched_then_restored_header_attaches_again(seg_name):
