@@ -6,10 +6,10 @@ import os
 import numpy as np
 import posix_ipc
 import pytest
+from conftest import SMALL
+from mp_workers import assert_consistent, assert_same, read_via_views, tokens
 
 import shmkv
-from conftest import SMALL
-from mp_workers import (assert_consistent, assert_same, read_via_views, tokens)
 
 DTYPES = ["float16", "float32", "int8"]
 
@@ -268,9 +268,8 @@ def test_context_manager_closes(seg_name):
         assert not a.closed
         assert a.config == cfg
     assert a.closed
-    with pytest.raises(RuntimeError):
-        with shmkv.KVCache.attach(seg_name) as b:
-            raise RuntimeError("body fails")
+    with pytest.raises(RuntimeError), shmkv.KVCache.attach(seg_name) as b:
+        raise RuntimeError("body fails")
     assert b.closed
     assert os.path.exists(shm_path(seg_name))
 

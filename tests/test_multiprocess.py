@@ -3,12 +3,12 @@ everywhere, concurrent churn and races for the last blocks and slots.  Workers l
 mp_workers.py and run in "spawn" children."""
 import os
 
+import mp_workers as w
 import numpy as np
 import pytest
-
-import mp_workers as w
-import shmkv
 from mp_workers import assert_consistent, assert_same, read_report, tokens
+
+import shmkv
 
 pytestmark = pytest.mark.slow
 
@@ -315,7 +315,7 @@ def test_dead_processes_do_not_fill_the_process_table(make_cache, spawn, tmp_pat
     kept = []
     for i in range(3):
         out = str(tmp_path / f"die{i}.json")
-        sid, keep, _ = finish(spawn(w.die_holding, cache.name, 5, i, out), out)
+        _, keep, _ = finish(spawn(w.die_holding, cache.name, 5, i, out), out)
         kept.append(keep)
     cache.recover()
     assert sorted(cache.sequences()) == sorted(kept)

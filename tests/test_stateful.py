@@ -6,14 +6,14 @@ import os
 
 import numpy as np
 import pytest
+from conftest import unique_name
 from hypothesis import HealthCheck, event, settings
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule)
+from hypothesis.control import currently_in_test_context
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from mp_workers import assert_same, footprint, tokens
 
 import shmkv
-from conftest import unique_name
-from mp_workers import assert_same, footprint, tokens
 
 SETTINGS = settings(max_examples=100, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
