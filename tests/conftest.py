@@ -81,3 +81,22 @@ def procs():
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+@pytest.fixture
+def spawn(procs):
+    """spawn(target, *args) -> a started process of the "spawn" context; like every entry
+    of `procs`, joined at teardown and killed by PID if still running.  spawn.ctx is the
+    context (for Barrier, Event, ...)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+
+    def start(target, *args):
+        p = ctx.Process(target=target, args=args, daemon=True)
+        p.start()
+        procs.append(p)
+        return p
+
+    start.ctx = ctx
+    return start
