@@ -1121,7 +1121,9 @@ cdef class Segment:
         if n < 1:
             raise ValueError(f"n: expected n >= 1, got {n}")
         if n > <int64_t>c.cfg.max_blocks_per_seq * c.cfg.block_size:
-            self._plan_error(SHMKV_ETOOLONG, s, n)
+            raise CacheFullError(
+                f"sequence {s}: {n} more tokens would exceed max_seq_len "
+                f"({c.cfg.max_blocks_per_seq * c.cfg.block_size} tokens)")
         cdef uint64_t nn = <uint64_t>n
         cdef uint32_t slot
         cdef shmkv_grow_plan_t pl
@@ -1283,17 +1285,22 @@ cdef class Segment:
         """
         cdef shmkv_ctx_t *c = self._c()
         cdef cnp.ndarray sa
-        if isinstance(sids, np.ndarray) and sids.dtype == np.int64 and sids.ndim == 1:
-            sa = np.ascontiguousarray(sids)
-        else:
-            try:
-                sa = np.asarray(sids, dtype=np.int64)
-            except (TypeError, ValueError, OverflowError):
-                raise TypeError("sids: expected a sequence of int sequence ids") from None
-            if sa.ndim != 1:
-                raise ValueError(f"sids: expected a 1-d sequence, got shape {(<object>sa).shape}")
-            if isinstance(sids, np.ndarray) and sids.dtype.kind not in "iu":
+        if isinstance(sids, np.ndarray):
+            if sids.ndim != 1:
+                raise ValueError(f"sids: expected a 1-d array, got shape {sids.shape}")
+            if sids.dtype.kind not in "iu" or sids.dtype.itemsize > 8:
                 raise TypeError(f"sids: expected integer ids, got dtype {sids.dtype}")
+            if sids.dtype.kind == "u" and sids.size and sids.max() > INT64_MAX:
+                raise SequenceNotFound(
+                    f"sequence {sids.max()}: unknown or freed sequence")
+            sa = np.ascontiguousarray(sids, dtype=np.int64)
+        else:
+            # every id checked as any other call checks one (no float/str/bool coercion)
+            items = list(sids)
+            if items and all(isinstance(x, (list, tuple, np.ndarray)) for x in items):
+                raise ValueError(f"sids: expected a 1-d sequence of ids, got shape "
+                                 f"{np.shape(items)}")
+            sa = np.array([_as_sid(x) for x in items], dtype=np.int64)
         cdef Py_ssize_t B = sa.shape[0], i, j
         cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(sa)
         cdef cnp.npy_intp dims[2]
