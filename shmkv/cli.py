@@ -1381,13 +1381,14 @@ def cmd_metrics(args):
 
 
 def cmd_demo(argv):
-    try:
-        from . import demo
-    except ImportError as e:
-        if e.name and e.name.endswith("shmkv.demo"):
-            raise CLIError("demo: not available in this installation of shmkv") from None
-        raise
-    return demo.main(argv)
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(__package__ + ".demo") is None:
+        raise CLIError("demo: not available in this installation of shmkv")
+    demo = importlib.import_module(__package__ + ".demo")
+    rc = demo.main(argv)
+    return rc if isinstance(rc, int) else EXIT_OK
 
 
 # ======================================================================================

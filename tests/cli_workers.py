@@ -17,9 +17,10 @@ def _kv(cfg, n, seed):
     return k, -k
 
 
-def churn(name, seconds, seed, started=None):
-    """Append, fork (so COW copies happen), gather and free in a loop for `seconds`, then
-    close cleanly.  Keeps a few sequences alive all the time so the CLI sees them."""
+def churn(name, seconds, seed, started=None, stop=None):
+    """Append, fork (so COW copies happen), gather and free in a loop for `seconds` (or
+    until `stop` is set), then close cleanly.  Keeps a few sequences alive all the time so
+    the CLI sees them."""
     cache = shmkv.KVCache.attach(name)
     cfg = cache.config
     rng = np.random.default_rng(seed)
@@ -28,7 +29,7 @@ def churn(name, seconds, seed, started=None):
         started.set()
     deadline = time.monotonic() + seconds
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             if len(live) < 4:
                 sid = cache.create_sequence()
                 k, v = _kv(cfg, int(rng.integers(1, 2 * cfg.block_size)), seed)
@@ -80,9 +81,10 @@ def hold(name, n_seqs, n_tokens, queue, seconds=60.0):
     cache.close()
 
 
-def leak_on_free(name, queue):
+def leak_on_free(name, queue, seconds=60.0):
     """Free a sequence with the planted `leak_on_free` bug: the segment keeps a block that
-    no table references, which `check` must report."""
+    no table references, which `check` must report.  Then wait to be SIGKILLed: a clean
+    close() would run recovery, which rebuilds the refcounts and hides the leak."""
     import shmkv._core as core
 
     cache = shmkv.KVCache.attach(name)
@@ -94,4 +96,5 @@ def leak_on_free(name, queue):
     cache.free(sid)
     core.plant_bug(None)
     queue.put(os.getpid())
+    time.sleep(seconds)
     cache.close()
