@@ -375,7 +375,7 @@ def analyze(snap):
     for p in procs:
         held = np.concatenate(p["_tables"] + [np.array(p["inflight"], np.int64)])
         u, cnt = np.unique(held, return_counts=True)
-        p["blocks"] = int(len(u))
+        p["blocks"] = len(u)
         # exclusive: every table reference to the block comes from this process
         table_cnt = cnt - np.isin(u, p["inflight"])
         p["exclusive_blocks"] = int((refs[u] == table_cnt).sum()) if len(u) else 0
@@ -578,7 +578,10 @@ def cmd_info(args):
         emit_json(doc)
         return EXIT_OK
     u, sz = doc["usage"], doc["sizes"]
-    kv = lambda k, v: print(f"  {k:<22} {v}")  # noqa: E731
+
+    def kv(key, value):
+        print(f"  {key:<22} {value}")
+
     print(paint(f"segment {args.name}", "bold") + f"  ({doc['path']})")
     kv("state", paint(doc["state"], _STATE_STYLE[doc["state"]])
        + f"  ({u['processes_alive']} live, {u['processes_dead']} dead processes)")
@@ -1085,15 +1088,15 @@ def top_frame(name, snap, prev, dt, n_top):
 
 def render_frame(f, interval):
     width = 30
-    filled = int(round(width * f["used_blocks"] / f["num_blocks"]))
+    filled = round(width * f["used_blocks"] / f["num_blocks"])
     bar = paint("#" * filled, "green" if f["used_pct"] < 90 else "red") + \
         paint("." * (width - filled), "dim")
     stamp = time.strftime("%H:%M:%S", time.localtime(f["time"]))
     out = [paint(f"shmkv top {f['name']}", "bold") + f"   {stamp}   every {interval:g}s",
-           f"util   [{bar}] {f['used_pct']:5.1f}%  {f['used_blocks']}/{f['num_blocks']} used"
-           f", {f['cached_blocks']} cached, peak {f['peak_used_blocks']}",
-           f"seqs   {f['num_sequences']}/{f['max_seqs']}  tokens {f['tokens']}   "
-           f"procs {f['processes_alive']} live"
+           (f"util   [{bar}] {f['used_pct']:5.1f}%  {f['used_blocks']}/{f['num_blocks']} used"
+            f", {f['cached_blocks']} cached, peak {f['peak_used_blocks']}"),
+           (f"seqs   {f['num_sequences']}/{f['max_seqs']}  tokens {f['tokens']}   "
+            f"procs {f['processes_alive']} live")
            + (paint(f", {f['processes_dead']} DEAD", "bold red") if f["processes_dead"] else "")]
     parts = []
     for k, label in RATE_KEYS:
@@ -1340,7 +1343,7 @@ def cmd_metrics(args):
 
         def log_message(self, fmt, *a):
             if args.verbose:
-                sys.stderr.write("shmkv metrics: %s %s\n" % (self.address_string(), fmt % a))
+                sys.stderr.write(f"shmkv metrics: {self.address_string()} {fmt % a}\n")
 
     class Server(ThreadingMixIn, HTTPServer):
         daemon_threads = True
