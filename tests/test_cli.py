@@ -261,6 +261,16 @@ def test_every_command_on_a_live_segment(shmkv_cli, names, workers, tmp_path):
             p.join(timeout=30)
             assert p.exitcode == 0
         assert cache.check() == []
+
+        # rm: refused while we are attached, --force unlinks; we keep working on it
+        r = shmkv_cli("rm", name)
+        assert r.returncode == 1 and str(os.getpid()) in r.stderr
+        assert os.path.exists(f"/dev/shm/{name}")
+        r = shmkv_cli("rm", "--force", name)
+        assert r.returncode == 0 and not os.path.exists(f"/dev/shm/{name}")
+        sid = cache.create_sequence()
+        cache.free(sid)
+        assert cache.check() == []
     finally:
         cache.close()
 
@@ -653,3 +663,34 @@ def test_json_flag_before_the_command(shmkv_cli, names):
     assert r.returncode == 0 and json.loads(r.stdout)["name"] == name
     r = shmkv_cli("--color", "always", "ls", name)
     assert r.returncode == 0 and "\x1b[" in r.stdout
+
+
+def test_permission_denied_and_a_segment_that_vanishes(monkeypatch, capsys, names):
+    def denied(name, tables=True):
+        raise PermissionError(f"segment {name!r}: permission denied")
+
+    monkeypatch.setattr(core, "snapshot", denied)
+    assert cli.main(["info", "someone-elses"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "permission denied" in err[0]
+    monkeypatch.undo()
+
+    # top keeps reading; when the segment goes away it says so in one line, exit 2
+    name = unique("vanish")
+    names.append(name)
+    shmkv.KVCache.create(name, shmkv.CacheConfig(**TINY, num_blocks=16, max_seqs=4)).close()
+    real, calls = core.snapshot, []
+
+    def vanishing(n, tables=True):
+        calls.append(n)
+        if len(calls) == 3:
+            unlink(name)
+        return real(n, tables=tables)
+
+    monkeypatch.setattr(core, "snapshot", vanishing)
+    assert cli.main(["top", name, "--iterations", "5", "--interval", "0.01"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out.count(f"shmkv top {name}") == 1
+    assert cap.err.strip().splitlines() == [
+        f"shmkv: {name}: no such segment (/dev/shm/{name} does not exist; "
+        "`shmkv ls` lists segments)"]
