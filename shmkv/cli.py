@@ -1359,22 +1359,17 @@ def cmd_metrics(args):
     shown = f"[{host}]" if ":" in host else host
     print(f"shmkv metrics: serving http://{shown}:{port}/metrics", file=sys.stderr, flush=True)
 
-    def stop(*_):
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    old = signal.signal(signal.SIGTERM, stop)
+    stopping = threading.Event()
+    old = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     deadline = time.monotonic() + args.duration if args.duration else None
+    server.timeout = 0.2
     try:
-        if args.once or deadline:
-            server.timeout = 0.2
-            while True:
-                server.handle_request()
-                if args.once and scrapes:
-                    break
-                if deadline and time.monotonic() >= deadline:
-                    break
-        else:
-            server.serve_forever(poll_interval=0.5)
+        while not stopping.is_set():
+            server.handle_request()
+            if args.once and scrapes:
+                break
+            if deadline and time.monotonic() >= deadline:
+                break
     except KeyboardInterrupt:
         pass
     finally:
@@ -1635,14 +1630,29 @@ run `shmkv recover NAME`.""")
     return p
 
 
+def _command_index(argv):
+    """Index of the command word in argv (after the global options), or None."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--color":
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            return i
+    return None
+
+
 def main(argv=None):
     """Entry point of the `shmkv` console script and `python -m shmkv`; returns the exit
     code."""
     global _color
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and argv[0] == "demo":
-            return cmd_demo(argv[1:])
+        i = _command_index(argv)
+        if i is not None and argv[i] == "demo":     # everything after it is the demo's
+            return cmd_demo(argv[i + 1:])
         parser = build_parser()
         try:
             args = parser.parse_args(argv)
@@ -1651,8 +1661,6 @@ def main(argv=None):
         if not getattr(args, "command", None):
             parser.print_help(sys.stderr)
             return EXIT_USAGE
-        if args.command == "demo":      # reached only after global options
-            return cmd_demo(argv[argv.index("demo") + 1:])
         _color = (args.color == "always" or
                   (args.color == "auto" and sys.stdout.isatty()
                    and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"))
