@@ -841,7 +841,7 @@ def _recover_line(name, r):
     return (f"{name}: reclaimed {r['sequences']} sequences and {r['blocks']} blocks from "
             f"{r['processes']} dead processes ({r['locks']} locks released, "
             f"{r['tail_blocks']} unpublished tail blocks trimmed, {r['refcounts_fixed']} "
-            f"refcounts fixed, {r['corrupt_sequences']} corrupt sequences dropped) in "
+            f"refcounts rewritten, {r['corrupt_sequences']} corrupt sequences dropped) in "
             f"{fmt_duration(r['duration_s'])}")
 
 
@@ -907,7 +907,8 @@ def cmd_check(args):
             print(f"  - {p}")
         if not args.repair:
             print(f"`shmkv check --repair {args.name}` runs recovery first")
-    if not args.repair and (dead_before["sequences"] or dead_before["processes"]):
+    if not args.repair and not args.strict and (dead_before["sequences"]
+                                                or dead_before["processes"]):
         print(paint(f"note: {dead_before['sequences']} sequences / {dead_before['blocks']} "
                     f"blocks were held by dead processes (pid "
                     f"{', '.join(map(str, dead_before['pids']))}): a leak, not an "
