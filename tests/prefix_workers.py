@@ -1,6 +1,7 @@
 """Workers for tests/test_prefix.py, run in spawned processes (importable: tests/ is on
 sys.path).  Each reports through a multiprocessing queue and exits 0 only when every
 check it made held; the parent asserts the exit code and the report."""
+import os
 import traceback
 
 import numpy as np
@@ -20,7 +21,8 @@ def kv_data(cfg, n, seed):
 
 def prefill(name, prompt, seed, how, q, chunk=7, salt=None):
     """Process A: prefill `prompt` (token ids) in chunks of `chunk` with tokens=, then
-    `free` it (its full blocks stay cached) or `detach` it (it survives us), and close."""
+    `free` it (its full blocks stay cached), `detach` it (it survives us) and close, or
+    `exit`: die without freeing or closing (recovery reclaims it)."""
     try:
         c = shmkv.KVCache.attach(name)
         prompt = np.asarray(prompt, np.int32)
@@ -36,6 +38,11 @@ def prefill(name, prompt, seed, how, q, chunk=7, salt=None):
             c.free(sid)
         elif how == "detach":
             c.detach(sid)
+        elif how == "exit":
+            q.put(dict(sid=sid, first_len=first_len, roundtrip=ok, check=c.check()))
+            q.close()
+            q.join_thread()
+            os._exit(0)
         else:
             raise ValueError(how)
         q.put(dict(sid=sid, first_len=first_len, roundtrip=ok, check=c.check()))

@@ -102,11 +102,11 @@ def run(target, *args, timeout=60):
 
 
 # ---- cross-process hits ------------------------------------------------------------------
-@pytest.mark.parametrize("how", ["free", "detach"])
+@pytest.mark.parametrize("how", ["free", "detach", "exit"])
 @pytest.mark.parametrize("hash", HASHES)
 def test_cross_process_hit(mk, hash, how):
-    """A (spawned) prefills a prompt and frees or detaches it; B (spawned) and then the
-    parent hit its full blocks and read exactly A's K/V."""
+    """A (spawned) prefills a prompt and frees it, detaches it, or dies holding it;
+    B (spawned) and then the parent hit its full blocks and read exactly A's K/V."""
     c = mk(hash=hash)
     with shmkv.KVCache.attach(c.name) as other:
         assert other.config.hash == hash
@@ -115,7 +115,13 @@ def test_cross_process_hit(mk, hash, how):
     assert ra["first_len"] == 0 and ra["roundtrip"] and ra["check"] == []
     st = c.stats()
     assert st["index_entries"] == 5
-    if how == "free":
+    if how == "exit":                        # A died holding 6 blocks: recovery caches them
+        assert st["used_blocks"] == 6 and c.sequences() == [ra["sid"]]
+        rec = c.recover()
+        assert rec["sequences"] == 1 and rec["blocks"] == 6
+        st = c.stats()
+        assert st["index_entries"] == 5
+    if how in ("free", "exit"):
         assert st["used_blocks"] == 0 and st["cached_blocks"] == 5
         assert c.sequences() == []
     else:
@@ -132,7 +138,7 @@ def test_cross_process_hit(mk, hash, how):
     assert rb["match_counted"] == 0          # match_prefix takes nothing, counts nothing
     assert rb["diff"]["prefix_queries"] == len(b_prompt)
     assert rb["diff"]["prefix_hits"] == 20
-    assert rb["diff"]["cached_blocks_reused"] == (5 if how == "free" else 0)
+    assert rb["diff"]["cached_blocks_reused"] == (0 if how == "detach" else 5)
 
     # the parent hits too, with A's own prompt; the shared blocks are A's physical blocks
     sid = c.create_sequence(tokens=a_prompt)
