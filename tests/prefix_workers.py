@@ -89,3 +89,163 @@ def hit(name, prompt, a_prompt, a_seed, q, salt=None):
     except BaseException:
         q.put(dict(error=traceback.format_exc()))
         raise
+
+
+def tagged_kv(cfg, token_ids, positions):
+    """K/V that say which token and position they hold: K = id % 2000, V = position %
+    2000 (exact in float16), broadcast over layers, heads and dims."""
+    shape = (cfg.num_layers, len(token_ids), cfg.num_kv_heads, cfg.head_dim)
+    k = np.empty(shape, cfg.numpy_dtype)
+    v = np.empty(shape, cfg.numpy_dtype)
+    k[...] = (np.asarray(token_ids) % 2000)[None, :, None, None]
+    v[...] = (np.asarray(positions) % 2000)[None, :, None, None]
+    return k, v
+
+
+def stress(name, wid, seconds, seed, q, use_evict=True, use_reserve=True):
+    """Random prefix-cache traffic on a small shared pool: create_sequence(tokens=) on a
+    few shared system prompts, append / reserve+write+commit, fork, trim, free, and
+    evict (which may take other workers' sequences).  Every gather is checked against
+    the ids and positions the sequence must hold, so a hit on a wrong or rewritten block
+    shows up as a mismatch.  use_evict / use_reserve switch those operations off."""
+    import time
+    try:
+        c = shmkv.KVCache.attach(name)
+        cfg = c.config
+        rng = np.random.default_rng(seed * 100 + wid)
+        sysp = [np.arange(1000 * (i + 1), 1000 * (i + 1) + n, dtype=np.int32)
+                for i, n in enumerate((13, 21, 30, 36))]
+        live = {}                     # sid -> (ids, positions) it must hold
+        n = dict(requests=0, hit_tokens=0, mismatches=0, full=0, lost=0, evicted=0,
+                 trims=0, forks=0)
+
+        details = []
+
+        def verify(sid, op):
+            ids, pos = live[sid]
+            gk, gv = c.gather(sid)
+            ek, ev = tagged_kv(cfg, ids, pos)
+            got_ids = c.token_ids(sid)
+            if not (np.array_equal(gk, ek) and np.array_equal(gv, ev)
+                    and np.array_equal(got_ids, ids)):
+                n["mismatches"] += 1
+                bad = np.nonzero((gk != ek).any(axis=(0, 2, 3)) | (gv != ev).any(axis=(0, 2, 3))
+                                 | (got_ids != ids))[0]
+                if len(details) < 5:
+                    details.append(dict(op=op, sid=sid, len=len(ids), bad=bad.tolist(),
+                                        ids=ids[bad].tolist(), got_ids=got_ids[bad].tolist(),
+                                        k=gk[0, bad, 0, 0].tolist(), pos=pos[bad].tolist(),
+                                        v=gv[0, bad, 0, 0].tolist(),
+                                        table=c.block_table(sid).tolist()))
+
+        def grow(sid, new_ids):
+            ids, pos = live[sid]
+            start = len(ids)
+            p = np.arange(pos[-1] + 1 if len(pos) else 0,
+                          (pos[-1] + 1 if len(pos) else 0) + len(new_ids))
+            k, v = tagged_kv(cfg, new_ids, p)
+            if rng.random() < 0.5 or not use_reserve:
+                c.append(sid, k, v, tokens=new_ids)
+            else:
+                slots = c.reserve(sid, len(new_ids), tokens=new_ids)
+                live[sid] = (np.r_[ids, new_ids].astype(np.int32), np.r_[pos, p])
+                for layer in range(cfg.num_layers):
+                    c.write(layer, slots, k[layer], v[layer])
+                c.commit(sid)
+                return
+            assert c.seq_len(sid) == start + len(new_ids)
+            live[sid] = (np.r_[ids, new_ids].astype(np.int32), np.r_[pos, p])
+
+        t_end = time.monotonic() + seconds
+        while time.monotonic() < t_end:
+            try:
+                r = rng.random()
+                if r < 0.55 or not live:
+                    prompt = np.r_[sysp[rng.integers(len(sysp))],
+                                   rng.integers(0, 900, rng.integers(1, 10))].astype(np.int32)
+                    sid = c.create_sequence(tokens=prompt)
+                    h = c.seq_len(sid)
+                    live[sid] = (prompt[:h], np.arange(h))
+                    n["requests"] += 1
+                    n["hit_tokens"] += h
+                    verify(sid, 'hit')
+                    grow(sid, prompt[h:])
+                    verify(sid, 'prefill')
+                elif r < 0.65:
+                    sid = list(live)[rng.integers(len(live))]
+                    ch = c.fork(sid)
+                    live[ch] = live[sid]
+                    n["forks"] += 1
+                    grow(ch, rng.integers(0, 900, rng.integers(1, 6)).astype(np.int32))
+                    verify(ch, 'fork-child')
+                    verify(sid, 'fork-parent')
+                elif r < 0.72:
+                    sid = list(live)[rng.integers(len(live))]
+                    ids, pos = live[sid]
+                    L = len(ids)
+                    d = c.trim_streaming(sid, 4, 6)
+                    if d:
+                        bs = cfg.block_size
+                        first_kept = (L - 6) // bs
+                        keep = np.r_[0:min(4, L), first_kept * bs:L]
+                        live[sid] = (ids[keep], pos[keep])
+                        n["trims"] += 1
+                    verify(sid, 'trim')
+                elif r < 0.76 and use_evict:
+                    target = int(rng.integers(cfg.num_blocks // 2, cfg.num_blocks))
+                    n["evicted"] += len(c.evict(["lru", "lfu", "longest", "priority"][
+                        rng.integers(4)], target, exclude=list(live)))
+                else:
+                    sid = list(live)[rng.integers(len(live))]
+                    del live[sid]
+                    c.free(sid)
+                while len(live) > 3:
+                    sid = next(iter(live))
+                    del live[sid]
+                    c.free(sid)
+            except shmkv.CacheFullError:
+                n["full"] += 1
+                for sid in list(live):
+                    try:
+                        c.free(sid)
+                    except shmkv.SequenceNotFound:
+                        pass
+                live.clear()
+            except shmkv.SequenceNotFound:
+                n["lost"] += 1                    # evicted by another worker
+                for sid in list(live):
+                    try:
+                        c.seq_len(sid)
+                    except shmkv.SequenceNotFound:
+                        del live[sid]
+        for sid in list(live):
+            try:
+                c.free(sid)
+            except shmkv.SequenceNotFound:
+                pass
+        n["check"] = c.check()
+        n["details"] = details
+        q.put(n)
+        c.close()
+    except BaseException:
+        q.put(dict(error=traceback.format_exc()))
+        raise
+
+
+def evict_all_and_fill(name, q):
+    """Evict every sequence it may (other processes' included), then fill the pool with a
+    sequence of its own (detached, for the parent to read)."""
+    try:
+        c = shmkv.KVCache.attach(name)
+        cfg = c.config
+        evicted = c.evict("lru", cfg.num_blocks)
+        n = c.stats()["free_blocks"] * cfg.block_size
+        k, v = kv_data(cfg, n, 99)
+        sid = c.create_sequence()
+        c.append(sid, k, v)
+        c.detach(sid)
+        q.put(dict(evicted=evicted, sid=sid, n=n))
+        c.close()
+    except BaseException:
+        q.put(dict(error=traceback.format_exc()))
+        raise

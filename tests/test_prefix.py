@@ -643,3 +643,60 @@ def test_trim_frees_blocks_and_stops_hashing(mk):
         c.trim_streaming(t, -1, 4)
     c.free(s)
     c.free(t)
+
+
+# ---- many processes at once ------------------------------------------------------------------
+@pytest.mark.parametrize("evict,reserve", [(True, False), (False, True)],
+                         ids=["evict", "reserve"])
+def test_concurrent_prefix_traffic_serves_only_correct_blocks(mk, procs, evict, reserve):
+    """Three processes share a small pool: hits, appends, forks, trims, frees, and either
+    evictions of each other's sequences or reserve+write+commit.  Every gather (hits
+    included) must hold exactly the ids and positions the sequence was built from.
+    (Both at once corrupt data: see the evict-vs-pending-write test below.)"""
+    c = mk(num_blocks=96, max_seqs=32)
+    q = SPAWN.Queue()
+    for w in range(3):
+        p = SPAWN.Process(target=pw.stress, args=(c.name, w, 2.0, 11, q, evict, reserve))
+        p.start()
+        procs.append(p)
+    reps = [q.get(timeout=90) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for r in reps:
+        assert "error" not in r, r["error"]
+        assert r["check"] == []
+    total = {k: sum(r[k] for r in reps) for k in reps[0] if k not in ("check", "details")}
+    assert total["requests"] > 50 and total["hit_tokens"] > 0
+    assert total["mismatches"] == 0, (total, [r["details"] for r in reps])
+    st = c.stats()
+    assert st["used_blocks"] == 0 and c.sequences() == []
+
+
+def test_evict_by_another_process_never_lets_a_pending_write_corrupt_others(mk):
+    """Process A reserves slots (the decode step: reserve, then write every layer, then
+    commit).  Process B evicts in that window and fills the pool with its own data.
+    Whatever the core does (skip A's sequence while it has unwritten reserved tokens, or
+    make A's write fail), A's write must never land in B's blocks."""
+    c = mk(num_blocks=16)
+    cfg = c.config
+    a = c.create_sequence()
+    k, v = kv(c, 8, 1)
+    c.append(a, k, v)
+    slots = c.reserve(a, 4)                   # reserved, not yet written
+    rb = run(pw.evict_all_and_fill, c.name)
+    try:
+        wk, wv = kv(c, 4, 2)
+        for layer in range(cfg.num_layers):
+            c.write(layer, slots, wk[layer], wv[layer])
+    except shmkv.ShmkvError:
+        pass                                  # refusing the write is fine
+    finally:
+        bk, bv = pw.kv_data(cfg, rb["n"], 99)
+        gk, gv = c.gather(rb["sid"])
+        c.free(rb["sid"])
+        if a not in rb["evicted"]:
+            c.free(a)
+    np.testing.assert_array_equal(gk, bk, err_msg=f"B's data was overwritten by A's write "
+                                  f"(B evicted {rb['evicted']}, A was {a})")
+    np.testing.assert_array_equal(gv, bv)
