@@ -297,6 +297,32 @@ def test_partial_blocks_and_last_token_never_shared(mk, hash):
     assert st["cached_blocks"] == 4 and st["used_blocks"] == 0
 
 
+def test_bad_token_arguments_change_nothing(mk):
+    c = mk()
+    s = c.create_sequence(tokens=ids(5, 1))
+    k, v = kv(c, 4, 1)
+    before = c.stats()
+    for bad, exc in (([1, 2, 3], ValueError), ([1, 2, 3, -1], ValueError),
+                     ([1, 2, 3, 2**31], ValueError), (np.ones(4) * 1.5, TypeError),
+                     (np.ones((2, 2), np.int32), ValueError)):
+        with pytest.raises(exc):
+            c.append(s, k, v, tokens=bad)
+        with pytest.raises(exc):
+            c.reserve(s, 4, tokens=bad)
+    with pytest.raises(TypeError):
+        c.create_sequence(tokens=[1, 2], salt=3)
+    with pytest.raises(TypeError):
+        c.match_prefix(ids(9, 1), salt=3.0)
+    with pytest.raises(ValueError):
+        c.create_sequence(tokens=ids(9, 1), priority=-1)
+    after = c.stats()
+    for key in ("used_blocks", "num_sequences", "appended_tokens", "index_entries",
+                "prefix_queries"):
+        assert after[key] == before[key], key
+    assert c.seq_len(s) == 0
+    c.free(s)
+
+
 def test_append_without_tokens_stops_hashing(mk):
     c = mk()
     s = c.create_sequence(tokens=[1])
@@ -406,10 +432,12 @@ def test_fork_does_not_publish_parents_uncommitted_blocks(mk):
 
 
 # ---- cached blocks: LRU order --------------------------------------------------------------
-def test_cached_blocks_lru_order(mk):
+@pytest.mark.parametrize("recover", [False, True], ids=["plain", "recovered"])
+def test_cached_blocks_lru_order(mk, recover):
     """Freed hashed blocks stay findable and count as free; new data takes never-cached
     free blocks first, then cached ones, least recently freed first; a hit takes a cached
-    block back (and its next free makes it most recent)."""
+    block back (and its next free makes it most recent).  A recovery pass (which rebuilds
+    the free stack, LRU list and index) keeps all of that."""
     c = mk(num_blocks=32)
     A, B, C = ids(12, 1000), ids(12, 2000), ids(12, 3000)   # 3 full blocks each
     data = {}
@@ -427,6 +455,10 @@ def test_cached_blocks_lru_order(mk):
     assert st["cached_blocks_reused"] == 3
     np.testing.assert_array_equal(c.gather(s)[0], data["A"][0])
     c.free(s)                                 # LRU order now: B, C, A
+    if recover:
+        c.recover()
+        st = c.stats()
+        assert st["cached_blocks"] == 9 == st["index_entries"] and st["used_blocks"] == 0
     survivors = lambda: [n for n, p in (("A", A), ("B", B), ("C", C))   # noqa: E731
                          if c.match_prefix(np.r_[p, 1]) == 12]
     # 23 never-cached blocks go first: nothing cached is touched
