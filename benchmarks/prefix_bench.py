@@ -40,7 +40,7 @@ WORKERS = 4
 N_SYSTEM = 8
 VOCAB = 32000
 # a small model shape: 8 layers, 4 KV heads of 64, fp16 -> 8 KiB per token, 128 KiB a block
-SHAPE = dict(num_layers=8, num_kv_heads=4, head_dim=64, block_size=16, dtype="float16")
+SHAPE = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "block_size": 16, "dtype": "float16"}
 
 
 def log(*a):
@@ -98,12 +98,12 @@ def worker(seg_name, wid, n_requests, decode, seed, q):
             hit_tok += n0
             per.append((si, len(prompt), n0))
         wall = time.perf_counter() - t0
-        q.put(dict(wid=wid, prompt_tokens=prompt_tok, hit_tokens=hit_tok, wall_s=wall,
-                   lookup_s=t_lookup, requests=per))
+        q.put({"wid": wid, "prompt_tokens": prompt_tok, "hit_tokens": hit_tok, "wall_s": wall,
+                   "lookup_s": t_lookup, "requests": per})
         c.close()
     except BaseException:
         import traceback
-        q.put(dict(wid=wid, error=traceback.format_exc()))
+        q.put({"wid": wid, "error": traceback.format_exc()})
         raise
 
 
@@ -153,23 +153,24 @@ def serve(mode, total_blocks, n_requests, decode, seed):
     bs = SHAPE["block_size"]
     shareable = sum(min(len(system_prompts(seed)[si]) // bs * bs, (n - 1) // bs * bs)
                     for r in reps for si, n, _ in r["requests"])
-    res = dict(
-        mode=mode, segments=nseg, total_blocks=total_blocks, blocks_per_segment=cfg.num_blocks,
-        workers=WORKERS, requests=WORKERS * n_requests, decode_tokens=decode,
-        prompt_tokens=prompt, hit_tokens=hit, hit_rate=hit / prompt,
-        shareable_tokens=shareable, hit_of_shareable=hit / shareable if shareable else 0.0,
-        prefill_tokens_computed=prompt - hit, prefill_saved=hit / prompt,
-        prefix_queries=sum(s["prefix_queries"] for s in stats),
-        prefix_hits=sum(s["prefix_hits"] for s in stats),
-        peak_used_blocks=sum(s["peak_used_blocks"] for s in stats),
-        cached_blocks_end=sum(s["cached_blocks"] for s in stats),
-        cached_blocks_reused=sum(s["cached_blocks_reused"] for s in stats),
-        cached_blocks_evicted=sum(s["cached_blocks_evicted"] for s in stats),
-        index_entries_end=sum(s["index_entries"] for s in stats),
-        appended_tokens=sum(s["appended_tokens"] for s in stats),
-        bytes_per_block=cfg.bytes_per_block,
-        wall_s=wall, worker_wall_s=max(r["wall_s"] for r in reps),
-        lookup_s=sum(r["lookup_s"] for r in reps))
+    res = {
+        "mode": mode, "segments": nseg, "total_blocks": total_blocks,
+        "blocks_per_segment": cfg.num_blocks,
+        "workers": WORKERS, "requests": WORKERS * n_requests, "decode_tokens": decode,
+        "prompt_tokens": prompt, "hit_tokens": hit, "hit_rate": hit / prompt,
+        "shareable_tokens": shareable, "hit_of_shareable": hit / shareable if shareable else 0.0,
+        "prefill_tokens_computed": prompt - hit, "prefill_saved": hit / prompt,
+        "prefix_queries": sum(s["prefix_queries"] for s in stats),
+        "prefix_hits": sum(s["prefix_hits"] for s in stats),
+        "peak_used_blocks": sum(s["peak_used_blocks"] for s in stats),
+        "cached_blocks_end": sum(s["cached_blocks"] for s in stats),
+        "cached_blocks_reused": sum(s["cached_blocks_reused"] for s in stats),
+        "cached_blocks_evicted": sum(s["cached_blocks_evicted"] for s in stats),
+        "index_entries_end": sum(s["index_entries"] for s in stats),
+        "appended_tokens": sum(s["appended_tokens"] for s in stats),
+        "bytes_per_block": cfg.bytes_per_block,
+        "wall_s": wall, "worker_wall_s": max(r["wall_s"] for r in reps),
+        "lookup_s": sum(r["lookup_s"] for r in reps)}
     assert res["prefix_hits"] == hit, (res["prefix_hits"], hit)
     return res
 
@@ -177,8 +178,8 @@ def serve(mode, total_blocks, n_requests, decode, seed):
 # ---- part 2: cost of a hit per block -------------------------------------------------------
 def pct(xs):
     a = np.asarray(xs, float)
-    return dict(p10=float(np.percentile(a, 10)), p50=float(np.percentile(a, 50)),
-                p90=float(np.percentile(a, 90)))
+    return {"p10": float(np.percentile(a, 10)), "p50": float(np.percentile(a, 50)),
+                "p90": float(np.percentile(a, 90))}
 
 
 def hit_cost(hash_name, nblocks_list, reps):
@@ -197,7 +198,7 @@ def hit_cost(hash_name, nblocks_list, reps):
             holder = c.create_sequence(tokens=prompt)
             c.append(holder, k, k, tokens=prompt[:nb * bs])
             assert c.match_prefix(prompt) == nb * bs
-            row = dict(hash=hash_name, blocks=nb)
+            row = {"hash": hash_name, "blocks": nb}
             pc = time.perf_counter_ns
             for label in ("live", "cached"):
                 if label == "cached":
@@ -265,7 +266,8 @@ def markdown(res):
              "cached evicted | create_sequence(tokens=) us/request | wall s |")
     L.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["serve"]:
-        L.append(f"| {r['total_blocks']} | {r['mode']} ({r['segments']} x {r['blocks_per_segment']}) "
+        L.append(f"| {r['total_blocks']} "
+                 f"| {r['mode']} ({r['segments']} x {r['blocks_per_segment']}) "
                  f"| {100 * r['hit_rate']:.1f}% ({r['hit_tokens']:,} / {r['prompt_tokens']:,}) "
                  f"| {100 * r['hit_of_shareable']:.1f}% "
                  f"| {r['prefill_tokens_computed']:,} | {100 * r['prefill_saved']:.1f}% "
@@ -328,12 +330,12 @@ def main():
     decode = 16 if args.quick else 32
     reps = 200 if args.quick else 1000
     caps = [1024, 2048]
-    res = dict(meta=dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.machine(),
-                         cpus=os.cpu_count(), python=platform.python_version(),
-                         shmkv=shmkv.__version__, quick=args.quick, seed=args.seed,
-                         requests_per_worker=req, decode=decode, hit_reps=reps, shape=SHAPE,
-                         loadavg_start=os.getloadavg()[0]),
-               serve=[], hit_cost=[])
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(),
+            "shmkv": shmkv.__version__, "quick": args.quick, "seed": args.seed,
+            "requests_per_worker": req, "decode": decode, "hit_reps": reps, "shape": SHAPE,
+            "loadavg_start": os.getloadavg()[0]}
+    res = {"meta": meta, "serve": [], "hit_cost": []}
     t0 = time.perf_counter()
     for cap in caps:
         for mode in ("shared", "private"):

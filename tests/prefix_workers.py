@@ -39,16 +39,16 @@ def prefill(name, prompt, seed, how, q, chunk=7, salt=None):
         elif how == "detach":
             c.detach(sid)
         elif how == "exit":
-            q.put(dict(sid=sid, first_len=first_len, roundtrip=ok, check=c.check()))
+            q.put({"sid": sid, "first_len": first_len, "roundtrip": ok, "check": c.check()})
             q.close()
             q.join_thread()
             os._exit(0)
         else:
             raise ValueError(how)
-        q.put(dict(sid=sid, first_len=first_len, roundtrip=ok, check=c.check()))
+        q.put({"sid": sid, "first_len": first_len, "roundtrip": ok, "check": c.check()})
         c.close()
     except BaseException:
-        q.put(dict(error=traceback.format_exc()))
+        q.put({"error": traceback.format_exc()})
         raise
 
 
@@ -81,13 +81,13 @@ def hit(name, prompt, a_prompt, a_seed, q, salt=None):
         c.free(sid)
         diff = {key: after[key] - before[key] for key in
                 ("prefix_queries", "prefix_hits", "cached_blocks_reused")}
-        q.put(dict(match=m, match_other_salt=m_other_salt, match_a=m_a, seq_len=n,
-                   data_ok=data_ok, ids_ok=ids_ok, full_ok=full_ok, diff=diff,
-                   match_counted=mid["prefix_queries"] - before["prefix_queries"],
-                   check=c.check()))
+        q.put({"match": m, "match_other_salt": m_other_salt, "match_a": m_a, "seq_len": n,
+               "data_ok": data_ok, "ids_ok": ids_ok, "full_ok": full_ok, "diff": diff,
+               "match_counted": mid["prefix_queries"] - before["prefix_queries"],
+               "check": c.check()})
         c.close()
     except BaseException:
-        q.put(dict(error=traceback.format_exc()))
+        q.put({"error": traceback.format_exc()})
         raise
 
 
@@ -116,8 +116,8 @@ def stress(name, wid, seconds, seed, q, use_evict=True, use_reserve=True):
         sysp = [np.arange(1000 * (i + 1), 1000 * (i + 1) + n, dtype=np.int32)
                 for i, n in enumerate((13, 21, 30, 36))]
         live = {}                     # sid -> (ids, positions) it must hold
-        n = dict(requests=0, hit_tokens=0, mismatches=0, full=0, lost=0, evicted=0,
-                 trims=0, forks=0)
+        n = {"requests": 0, "hit_tokens": 0, "mismatches": 0, "full": 0, "lost": 0,
+             "evicted": 0, "trims": 0, "forks": 0}
 
         details = []
 
@@ -132,11 +132,11 @@ def stress(name, wid, seconds, seed, q, use_evict=True, use_reserve=True):
                 bad = np.nonzero((gk != ek).any(axis=(0, 2, 3)) | (gv != ev).any(axis=(0, 2, 3))
                                  | (got_ids != ids))[0]
                 if len(details) < 5:
-                    details.append(dict(op=op, sid=sid, len=len(ids), bad=bad.tolist(),
-                                        ids=ids[bad].tolist(), got_ids=got_ids[bad].tolist(),
-                                        k=gk[0, bad, 0, 0].tolist(), pos=pos[bad].tolist(),
-                                        v=gv[0, bad, 0, 0].tolist(),
-                                        table=c.block_table(sid).tolist()))
+                    details.append({"op": op, "sid": sid, "len": len(ids), "bad": bad.tolist(),
+                                    "ids": ids[bad].tolist(), "got_ids": got_ids[bad].tolist(),
+                                    "k": gk[0, bad, 0, 0].tolist(), "pos": pos[bad].tolist(),
+                                    "v": gv[0, bad, 0, 0].tolist(),
+                                    "table": c.block_table(sid).tolist()})
 
         def grow(sid, new_ids):
             ids, pos = live[sid]
@@ -228,7 +228,7 @@ def stress(name, wid, seconds, seed, q, use_evict=True, use_reserve=True):
         q.put(n)
         c.close()
     except BaseException:
-        q.put(dict(error=traceback.format_exc()))
+        q.put({"error": traceback.format_exc()})
         raise
 
 
@@ -244,8 +244,8 @@ def evict_all_and_fill(name, q):
         sid = c.create_sequence()
         c.append(sid, k, v)
         c.detach(sid)
-        q.put(dict(evicted=evicted, sid=sid, n=n))
+        q.put({"evicted": evicted, "sid": sid, "n": n})
         c.close()
     except BaseException:
-        q.put(dict(error=traceback.format_exc()))
+        q.put({"error": traceback.format_exc()})
         raise

@@ -9,12 +9,11 @@ import os
 import time
 
 import numpy as np
+import prefix_workers as pw
 import pytest
 
 import shmkv
 from shmkv import _core
-
-import prefix_workers as pw
 
 HASHES = ["fast", "sha256"]
 BS = 4                       # block size of every cache here (SMALL's)
@@ -214,8 +213,8 @@ def test_duplicate_publish_keeps_one_entry(mk):
 def test_salt_isolates_tenants(mk, hash):
     c = mk(hash=hash)
     p = ids(17, 7)                            # 4 full blocks + 1
-    sa, ka, va = prefill(c, p, 1, salt="tenant-a")
-    sn, kn, vn = prefill(c, p, 2)             # no salt: a tenant of its own
+    sa, ka, _va = prefill(c, p, 1, salt="tenant-a")
+    sn, kn, _vn = prefill(c, p, 2)            # no salt: a tenant of its own
     assert c.stats()["index_entries"] == 8
     assert c.match_prefix(p, salt="tenant-a") == 16
     assert c.match_prefix(p, salt=b"tenant-a") == 16     # str is its utf-8 bytes
@@ -248,7 +247,7 @@ def test_hash_chain_depends_on_every_earlier_token(mk, hash):
     two segments with the same config hash differently (per-segment seed)."""
     c = mk(hash=hash)
     p = ids(21, 100)
-    s, k, v = prefill(c, p, 1, chunk=5)
+    s, _k, _v = prefill(c, p, 1, chunk=5)
     assert c.match_prefix(p) == 20
     for pos, want in ((0, 0), (3, 0), (4, 4), (9, 8), (19, 16)):
         q = p.copy()
@@ -267,7 +266,7 @@ def test_hash_chain_depends_on_every_earlier_token(mk, hash):
 def test_partial_blocks_and_last_token_never_shared(mk, hash):
     c = mk(hash=hash)
     p = ids(14, 500)                          # 3 full blocks + 2 tokens
-    s, k, v = prefill(c, p, 1)
+    s, _k, _v = prefill(c, p, 1)
     assert c.stats()["index_entries"] == 3
     assert c.match_prefix(p) == 12
     assert c.match_prefix(np.r_[p, 1, 2, 3]) == 12     # block 3 partial: not shared
@@ -459,7 +458,7 @@ def test_cached_blocks_lru_order(mk, recover):
         c.recover()
         st = c.stats()
         assert st["cached_blocks"] == 9 == st["index_entries"] and st["used_blocks"] == 0
-    survivors = lambda: [n for n, p in (("A", A), ("B", B), ("C", C))   # noqa: E731
+    survivors = lambda: [n for n, p in (("A", A), ("B", B), ("C", C))
                          if c.match_prefix(np.r_[p, 1]) == 12]
     # 23 never-cached blocks go first: nothing cached is touched
     x = c.create_sequence()
