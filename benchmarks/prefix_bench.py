@@ -252,7 +252,8 @@ def markdown(res):
     L.append(f"Measured {m['date']} on {m['machine']} ({m['cpus']} CPUs), Python {m['python']}, "
              f"`python benchmarks/prefix_bench.py{' --quick' if m['quick'] else ''}` "
              f"({m['total_s']:.0f} s; 1-minute load average {m['loadavg_start']:.1f} at the "
-             f"start, {m['loadavg_end']:.1f} at the end: other jobs shared the CPUs).\n")
+             f"start, {m['loadavg_end']:.1f} at the end"
+             f"{': other jobs shared the CPUs' if m['loadavg_start'] > 1 else ''}).\n")
     L.append(f"Model shape: {SHAPE['num_layers']} layers, {SHAPE['num_kv_heads']} KV heads x "
              f"{SHAPE['head_dim']}, fp16, block_size {SHAPE['block_size']} "
              f"({res['serve'][0]['bytes_per_block'] // 1024} KiB a block). "
@@ -308,8 +309,9 @@ def markdown(res):
     for h in ("fast", "sha256"):
         r = max((x for x in res["hit_cost"] if x["hash"] == h), key=lambda x: x["blocks"])
         L.append(f"- {h}, {r['blocks']} blocks: taking the hit adds "
-                 f"{r['create_live']['p50'] - r['match_live']['p50']:+.0f} ns/block (live) and "
-                 f"{r['create_cached']['p50'] - r['match_cached']['p50']:+.0f} ns/block (cached) "
+                 f"{round(r['create_live']['p50'] - r['match_live']['p50']):+d} ns/block (live) "
+                 f"and {round(r['create_cached']['p50'] - r['match_cached']['p50']):+d} ns/block "
+                 f"(cached) "
                  f"to match_prefix (hashing the chain + the index probes).")
     f = {x["blocks"]: x for x in res["hit_cost"] if x["hash"] == "fast"}
     sh = {x["blocks"]: x for x in res["hit_cost"] if x["hash"] == "sha256"}
@@ -325,7 +327,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests and repetitions")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite the Markdown from benchmarks/out/prefix.json")
     args = ap.parse_args()
+    if args.render:
+        with open(OUT_JSON) as f:
+            md = markdown(json.load(f))
+        with open(OUT_MD, "w") as f:
+            f.write(md)
+        print(md)
+        return
     req = 25 if args.quick else 100
     decode = 16 if args.quick else 32
     reps = 200 if args.quick else 1000
