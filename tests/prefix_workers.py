@@ -116,8 +116,8 @@ def stress(name, wid, seconds, seed, q, use_evict=True, use_reserve=True):
         sysp = [np.arange(1000 * (i + 1), 1000 * (i + 1) + n, dtype=np.int32)
                 for i, n in enumerate((13, 21, 30, 36))]
         live = {}                     # sid -> (ids, positions) it must hold
-        n = {"requests": 0, "hit_tokens": 0, "mismatches": 0, "full": 0, "lost": 0,
-             "evicted": 0, "trims": 0, "forks": 0}
+        n = {"requests": 0, "hit_tokens": 0, "mismatches": 0, "bad_len": 0, "full": 0,
+             "lost": 0, "evicted": 0, "trims": 0, "forks": 0}
 
         details = []
 
@@ -153,7 +153,15 @@ def stress(name, wid, seconds, seed, q, use_evict=True, use_reserve=True):
                     c.write(layer, slots, k[layer], v[layer])
                 c.commit(sid)
                 return
-            assert c.seq_len(sid) == start + len(new_ids)
+            if c.seq_len(sid) != start + len(new_ids):
+                # seq_len reads without a lock: a sequence another worker's evict() frees
+                # at that instant can read as length 0 instead of raising.  Tell that
+                # race apart from a wrong length by asking again under the sequence lock.
+                c.token_ids(sid, 0, 0)            # raises SequenceNotFound if it is gone
+                n["bad_len"] += 1
+                if len(details) < 5:
+                    details.append({"op": "seq_len", "sid": sid, "len": c.seq_len(sid),
+                                    "want": start + len(new_ids)})
             live[sid] = (np.r_[ids, new_ids].astype(np.int32), np.r_[pos, p])
 
         t_end = time.monotonic() + seconds

@@ -699,7 +699,7 @@ def test_concurrent_prefix_traffic_serves_only_correct_blocks(mk, procs, evict, 
         assert r["check"] == []
     total = {k: sum(r[k] for r in reps) for k in reps[0] if k not in ("check", "details")}
     assert total["requests"] > 50 and total["hit_tokens"] > 0
-    assert total["mismatches"] == 0, (total, [r["details"] for r in reps])
+    assert total["mismatches"] == 0 and total["bad_len"] == 0, (total, [r["details"] for r in reps])
     st = c.stats()
     assert st["used_blocks"] == 0 and c.sequences() == []
 
