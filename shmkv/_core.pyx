@@ -36,6 +36,7 @@ cdef extern from "<time.h>" nogil:
     int CLOCK_MONOTONIC
 
 LAYOUT_VERSION = SHMKV_LAYOUT_VERSION
+MAGIC = SHMKV_MAGIC
 ABI_FINGERPRINT = shmkv_abi_fingerprint()
 PAGE_SIZE = SHMKV_PAGE
 CRASH_POINTS = tuple(SHMKV_CRASH_NAMES[i].decode() for i in range(1, SHMKV_NCRASH))
@@ -66,7 +67,13 @@ _STATUS = {
 }
 
 
+_SEGMENT_REASONS = {SHMKV_EBADMAGIC: "bad_magic", SHMKV_EVERSION: "incompatible",
+                    SHMKV_ECORRUPT: "corrupt", SHMKV_ENOTREADY: "not_ready"}
+
+
 cdef int _raise(int st, str what) except -1:
+    if st in _SEGMENT_REASONS:
+        raise SegmentError(f"{what}: {_STATUS[st][1]}", reason=_SEGMENT_REASONS[st])
     if st == SHMKV_ESYS:
         e = OSError(os.strerror(_errno()) if _errno() else "system call failed")
         raise OSError(f"{what}: {e}")
@@ -340,9 +347,9 @@ cdef class _Attachment:
 
     cdef int release(self) except -1:
         """The last handle of this process closed: leave the process table; our
-        sequences that were not detached are reclaimed now."""
+        sequences that were not detached are freed now.  Nothing of any other process
+        is touched (no recovery pass)."""
         cdef shmkv_ctx_t *c = &self.ctx
-        cdef shmkv_recovery_t r
         with _attach_lock:
             if _attachments.get(self.key) is self:
                 del _attachments[self.key]
@@ -351,7 +358,6 @@ cdef class _Attachment:
                 _pool_lock(c)
                 try:
                     shmkv_proc_unregister_locked(c)
-                    shmkv_recover_locked(c, &r)
                 finally:
                     shmkv_pool_unlock(c)
         finally:
@@ -463,7 +469,8 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
             if time.monotonic() > deadline:
                 raise SegmentError(
                     f"attach {name}: the segment is not ready after {timeout:g} s "
-                    f"(size {size} bytes; its creator may have died while building it)")
+                    f"(size {size} bytes; its creator may have died while building it)",
+                    reason="not_ready")
             time.sleep(0.005)
         att.mapping = m
         att.fd = fd
@@ -872,12 +879,17 @@ cdef class Segment:
         exclude : iterable of int
             Sequence ids never to evict (the batch being scheduled).
 
+        Only sequences this process owns, detached ones and those of dead processes
+        are candidates: another live process may be between reserve() and write() on
+        its own sequences, and freeing those under it would let its write land in
+        blocks that now hold someone else's data.
+
         Returns
         -------
         list of int
             The evicted sequence ids, in eviction order (empty if enough was free).
-            Sequences another process is using at this moment are skipped; if the
-            target cannot be met, every eligible sequence is evicted.
+            A candidate being used at this moment is skipped; if the target cannot be
+            met, every candidate is evicted.
         """
         cdef shmkv_ctx_t *c = self._c()
         cdef uint32_t s, nfree
@@ -902,6 +914,8 @@ cdef class Segment:
                 q = &c.seqs[s]
                 if q.state != SHMKV_SEQ_LIVE or q.trim_d != 0:
                     continue
+                if q.owner != 0 and q.owner != me and shmkv_proc_alive(c, q.owner):
+                    continue                      # another live process's sequence
                 sid = shmkv_slot_sid(c, s)
                 if sid in keep:
                     continue
@@ -1267,9 +1281,13 @@ cdef class Segment:
         cdef uint32_t slot
         cdef int64_t s = _as_sid(sid)
         cdef int st = shmkv_sid_slot(c, s, &slot)
+        cdef uint32_t n
+        if st == SHMKV_OK:
+            n = shmkv_atomic_load_u32_acquire(&c.seqs[slot].len)
+            st = shmkv_sid_slot(c, s, &slot)      # freed meanwhile? (no lock taken)
         if st != SHMKV_OK:
             _raise(st, f"sequence {s}")
-        return shmkv_atomic_load_u32_acquire(&c.seqs[slot].len)
+        return n
 
     def block_table(self, sid):
         """int32 ndarray of the physical block ids of a sequence, in logical order."""
@@ -1761,7 +1779,8 @@ def snapshot(name, *, bint tables=True):
     try:
         size = os.fstat(fd).st_size
         if size < SHMKV_PAGE:
-            raise SegmentError(f"{name}: {size} bytes, too small for a shmkv segment")
+            raise SegmentError(f"{name}: {size} bytes, too small for a shmkv segment",
+                               reason="not_ready" if size == 0 else "corrupt")
         m = _Mapping.map(fd, size, False, False)
         return _snapshot(name, m, fd, tables)
     finally:
@@ -1773,8 +1792,7 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
     cdef shmkv_ctx_t *c = &ctx
     cdef int st = shmkv_ctx_bind(c, m.base, m.size, 1)
     if st != SHMKV_OK:
-        exc, text = _STATUS.get(st, (SegmentError, f"status {st}"))
-        raise SegmentError(f"{name}: {text}")
+        _raise(st, name)
     c.lock_fd = fd
     cdef shmkv_shared_t *sh = c.sh
     cdef uint32_t NB = c.cfg.num_blocks, NS = c.cfg.max_seqs, NP = c.cfg.max_procs

@@ -597,12 +597,15 @@ static int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot) {
     const int32_t *t = shmkv_table(c, slot);
     shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
     if (__builtin_expect(shmkv_plant == SHMKV_PLANT_LEAK_ON_FREE, 0) && nb > 0) nb--;
-    for (uint32_t i = 0; i < nb; i++) {
+    /* Tail first, as vLLM does: the chain's last block becomes the least recently used,
+     * so eviction of cached blocks eats a chain from its end and the head (the part
+     * other prompts share) stays findable. */
+    for (uint32_t i = nb; i-- > 0;) {
         if (i == nb / 2) SHMKV_CRASH(FREE_MID);
         shmkv_block_decref_locked(c, (uint32_t)t[i]);
     }
     q->nblocks = 0;
-    q->len = 0;
+    shmkv_atomic_store_u32_release(&q->len, 0);
     q->hashed = 0;
     q->owner = 0;
     c->seq_free[c->sh->seq_free_top++] = slot;
@@ -639,9 +642,12 @@ static int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_
     uint32_t full = len / c->cfg.block_size;
     uint32_t ready = shmkv_atomic_load_u32(&p->hash_ready);
     q->hashed = p->hashed < full ? p->hashed : full;
-    q->hash_ready = ready < full ? ready : full;
-    if (q->hash_ready < q->hashed) q->hash_ready = q->hashed;
+    q->hash_ready = q->hashed;
     q->flags = p->flags;
+    /* Blocks the parent hashed but has not published (reserve without commit: their
+     * data may be unwritten) must never be published through the child: the child
+     * stops hashing instead.  Conservative, and only for forks taken mid-flow. */
+    if ((ready < full ? ready : full) > q->hashed) q->flags |= SHMKV_SEQF_UNTRACKED;
     q->salt[0] = p->salt[0];
     q->salt[1] = p->salt[1];
     q->trimmed = p->trimmed;
@@ -995,7 +1001,7 @@ static int shmkv_seq_trim_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t S, uint
     __atomic_store_n(&q->trim_d, D, __ATOMIC_SEQ_CST);       /* journal opened */
     shmkv__trim_apply(c, slot);
     q->trimmed += D * c->cfg.block_size;
-    for (uint32_t i = 0; i < D; i++) shmkv_block_decref_locked(c, dropped[i]);
+    for (uint32_t i = D; i-- > 0;) shmkv_block_decref_locked(c, dropped[i]);
     shmkv_count(c, SHMKV_C_TRIMMED_BLOCKS, D);
     return SHMKV_OK;
 }
@@ -1040,10 +1046,17 @@ static int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid
     return SHMKV_EPROCFULL;
 }
 
-/* Leaves the process table.  Our sequences become reclaimable (a recovery pass, which
- * the caller runs next, frees them unless they were detached). */
+/* Leaves the process table, freeing our own sequences (not detached ones) first.  A
+ * sequence of ours that another process holds locked right now is left to a later
+ * recovery (its owner is gone by then).  Nothing of other processes is touched. */
 static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
     if (c->proc_slot >= c->cfg.max_procs) return;
+    for (uint32_t s = 0; s < c->cfg.max_seqs; s++) {
+        shmkv_seq_t *q = &c->seqs[s];
+        if (q->state != SHMKV_SEQ_LIVE || q->owner != c->proc_token) continue;
+        if (!shmkv_atomic_cas_u64(&q->writer, 0, c->proc_token)) continue;
+        if (shmkv_seq_free_locked(c, s) != SHMKV_OK) shmkv_seq_unlock(c, s);
+    }
     shmkv_proc_t *p = &c->procs[c->proc_slot];
     for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) {
         uint32_t b = p->inflight[j];
@@ -1082,6 +1095,11 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
     if (__builtin_expect(shmkv_plant == SHMKV_PLANT_NO_RECOVERY, 0)) return SHMKV_OK;
     shmkv_shared_t *sh = c->sh;
     const uint32_t NB = c->cfg.num_blocks, NS = c->cfg.max_seqs, NP = c->cfg.max_procs;
+    /* references this pass drops on purpose (reclaimed sequences, trimmed tails, dead
+     * in-flight records): a ref_cnt that differs from the recount by exactly these was
+     * right; any other difference is a repaired inconsistency (refcounts_fixed) */
+    uint32_t *gone = (uint32_t *)calloc(NB, sizeof(uint32_t));
+    if (gone == NULL) return SHMKV_ESYS;
 
     uint32_t nprocs = 0;
     for (uint32_t s = 0; s < NP; s++) {
@@ -1089,7 +1107,10 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
         if (p->state == SHMKV_PROC_FREE) continue;
         uint64_t tok = ((uint64_t)p->gen << 32) | (uint64_t)(s + 1);
         if (p->state != SHMKV_PROC_ACTIVE || !shmkv_proc_alive(c, tok)) {
-            for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) p->inflight[j] = SHMKV_NIL;
+            for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) {
+                if (p->inflight[j] < NB) gone[p->inflight[j]]++;
+                p->inflight[j] = SHMKV_NIL;
+            }
             shmkv__fold_proc_counters(c, p);
             shmkv_atomic_store_u32(&p->state, SHMKV_PROC_FREE);
             r->processes++;
@@ -1128,11 +1149,15 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
             r->corrupt++;
             r->sequences++;
         } else if (q->owner != 0 && !shmkv_proc_alive(c, q->owner)) {
+            const int32_t *t = shmkv_table(c, s);
+            for (uint32_t i = 0; i < q->nblocks; i++) gone[t[i]]++;   /* validated above */
             shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
             q->nblocks = 0; q->len = 0; q->owner = 0;
             r->sequences++;
         } else {
             uint32_t want = shmkv_blocks_for(c, q->len);
+            const int32_t *t = shmkv_table(c, s);
+            for (uint32_t i = want; i < q->nblocks; i++) gone[t[i]]++;
             if (q->nblocks > want) { r->tails += q->nblocks - want; q->nblocks = want; }
             uint32_t full = q->len / c->cfg.block_size;
             if (q->hash_ready > full) q->hash_ready = full;
@@ -1143,7 +1168,7 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
 
     /* recount: tables of LIVE sequences + in-flight records of live processes */
     uint32_t *cnt = (uint32_t *)calloc(NB, sizeof(uint32_t));
-    if (cnt == NULL) return SHMKV_ESYS;
+    if (cnt == NULL) { free(gone); return SHMKV_ESYS; }
     uint32_t live = 0;
     for (uint32_t s = 0; s < NS; s++) {
         shmkv_seq_t *q = &c->seqs[s];
@@ -1167,7 +1192,10 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
     /* the LRU order of cached blocks survives: collect the old list first (bounded) */
     uint32_t *order = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)NB + 1);
     uint8_t *seen = (uint8_t *)calloc(NB, 1);
-    if (order == NULL || seen == NULL) { free(cnt); free(order); free(seen); return SHMKV_ESYS; }
+    if (order == NULL || seen == NULL) {
+        free(cnt); free(order); free(seen); free(gone);
+        return SHMKV_ESYS;
+    }
     uint32_t nord = 0;
     for (uint32_t b = sh->lru_head, k = 0; b < NB && k < NB; b = c->blocks[b].lru_next, k++) {
         if (seen[b]) break;
@@ -1178,7 +1206,7 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
         shmkv_block_t *m = &c->blocks[b];
         uint32_t old = shmkv_atomic_load_u32(&m->ref_cnt);
         if (old != cnt[b]) {
-            r->refcounts_fixed++;
+            if ((uint64_t)old != (uint64_t)cnt[b] + gone[b]) r->refcounts_fixed++;
             if (cnt[b] == 0) r->blocks++;
             shmkv_atomic_store_u32(&m->ref_cnt, cnt[b]);
         }
@@ -1214,7 +1242,7 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
         if (cnt[b] == 0 && !(c->blocks[b].flags & SHMKV_BLOCK_HASHED))
             c->free_stack[sh->free_top++] = b;
     }
-    free(cnt); free(order); free(seen);
+    free(cnt); free(order); free(seen); free(gone);
 
     /* sequence free stack */
     sh->seq_free_top = 0;

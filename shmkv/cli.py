@@ -36,7 +36,7 @@ __all__ = ["main"]
 SHM_DIR = "/dev/shm"
 # First 8 bytes of every shmkv segment (SHMKV_MAGIC of _layout.h: "__SHMKV1" read as a
 # little-endian u64).  Used only to decide which files in /dev/shm `ls` reports.
-MAGIC = getattr(_core, "MAGIC", 0x31564B4D48535F5F)
+MAGIC = _core.MAGIC
 MAGIC_BYTES = struct.pack("<Q", MAGIC)
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -252,10 +252,11 @@ def classify_error(name, exc):
         return "incompatible", (f"incompatible segment: layout version {version}, this "
                                 f"shmkv {_version()} reads layout version "
                                 f"{_core.LAYOUT_VERSION}")
-    if "incompatible" in text:
+    reason = getattr(exc, "reason", None)
+    if reason == "incompatible":
         return "incompatible", ("incompatible segment: made by a shmkv build with another "
                                 "ABI (same layout version, different struct sizes)")
-    if "not ready" in text:
+    if reason == "not_ready":
         return "not-ready", ("segment not ready: its creator is still initialising it, "
                              "or died doing so")
     reason = text.split(": ", 1)[1] if ": " in text else text
@@ -841,7 +842,8 @@ def _recover_line(name, r):
     return (f"{name}: reclaimed {r['sequences']} sequences and {r['blocks']} blocks from "
             f"{r['processes']} dead processes ({r['locks']} locks released, "
             f"{r['tail_blocks']} unpublished tail blocks trimmed, {r['refcounts_fixed']} "
-            f"refcounts rewritten, {r['corrupt_sequences']} corrupt sequences dropped) in "
+            f"inconsistent refcounts repaired, {r['corrupt_sequences']} corrupt sequences "
+            f"dropped) in "
             f"{fmt_duration(r['duration_s'])}")
 
 
@@ -877,14 +879,7 @@ def cmd_check(args):
         raise CLIError(f"{args.name}: timed out waiting for the pool lock") from None
     finally:
         cache.close()
-    after = load(args.name, tables=True)
-    view = analyze(after)
-    # Detaching runs the core's recovery pass (every process that leaves does), so what
-    # dead processes held is reclaimed as check exits; say how much, from the counters.
-    on_close = {k: max(0, after["counters"][k] - before["counters"][k])
-                - (repair[k.split("_", 1)[1]] if repair else 0)
-                for k in ("reclaimed_sequences", "reclaimed_blocks")}
-    on_close = {k: max(0, v) for k, v in on_close.items()}
+    view = analyze(load(args.name, tables=True))
     if args.strict and not args.repair and (dead_before["sequences"] or dead_before["blocks"]):
         problems.append(f"{dead_before['sequences']} sequences / {dead_before['blocks']} "
                         f"blocks were held by dead processes "
@@ -892,8 +887,7 @@ def cmd_check(args):
     ok = not problems
     if args.json:
         emit_json(dict(name=args.name, consistent=ok, problems=problems, repair=repair,
-                       dead_before=dead_before, dead_after=view["dead"],
-                       reclaimed_on_detach=on_close))
+                       dead_before=dead_before, dead_after=view["dead"]))
         return EXIT_OK if ok else EXIT_PROBLEMS
     if repair is not None:
         print(_recover_line(args.name, repair))
@@ -913,10 +907,6 @@ def cmd_check(args):
                     f"blocks were held by dead processes (pid "
                     f"{', '.join(map(str, dead_before['pids']))}): a leak, not an "
                     "inconsistency", "yellow"))
-    if on_close["reclaimed_sequences"] or on_close["reclaimed_blocks"]:
-        print(paint(f"note: detaching ran recovery, which reclaimed "
-                    f"{on_close['reclaimed_sequences']} sequences / "
-                    f"{on_close['reclaimed_blocks']} blocks of dead processes", "yellow"))
     return EXIT_OK if ok else EXIT_PROBLEMS
 
 

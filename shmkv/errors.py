@@ -30,7 +30,16 @@ class SequenceNotFound(ShmkvError, KeyError):
 
 
 class SegmentError(ShmkvError):
-    """Not a shmkv segment, an incompatible layout version, or a corrupt segment."""
+    """Not a shmkv segment, an incompatible layout version, or a corrupt segment.
+
+    ``reason`` says which, for tools: ``"bad_magic"`` (not shmkv), ``"incompatible"``
+    (another layout version or ABI), ``"corrupt"``, ``"not_ready"`` (still being built,
+    or its creator died building it), or ``None`` when unknown.
+    """
+
+    def __init__(self, *args, reason=None):
+        super().__init__(*args)
+        self.reason = reason
 
 
 class LockTimeout(ShmkvError, TimeoutError):
