@@ -1407,7 +1407,8 @@ recovery: `procs` and `seqs` mark it DEAD and print the leak; `recover` reclaims
 
 Inspection (ls, info, seqs, blocks, procs, top, metrics) maps the segment read-only, takes
 no lock and changes nothing; it works while workers run and after they all died.
-check, recover, create and rm change the segment or its name.
+check only attaches to run the invariants and changes nothing; check --repair, recover,
+create and rm change the segment or its name.
 
 every command: --help; --json prints one JSON document on stdout (a list for ls, seqs,
 procs; an object for info, blocks, check, recover, create); --color auto|always|never.
