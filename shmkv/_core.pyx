@@ -1021,7 +1021,7 @@ cdef class Segment:
         cdef cnp.npy_intp dims[1]
         _seq_lock(c, s, &slot)
         try:
-            _token_range(start, stop, c.seqs[slot].len, s, &a, &b)
+            _token_range(start, stop, _valid_len(c, slot, s), s, &a, &b)
             dims[0] = b - a
             out = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT32, 0)
             if shmkv_seq_check_span(c, slot, a, b - a) != SHMKV_OK:
@@ -1232,7 +1232,7 @@ cdef class Segment:
         cdef uint8_t *vb
         _seq_lock(c, s, &slot)
         try:
-            _token_range(start, stop, c.seqs[slot].len, s, &a, &b)
+            _token_range(start, stop, _valid_len(c, slot, s), s, &a, &b)
             shape = (c.cfg.num_layers, b - a, c.cfg.num_kv_heads, c.cfg.head_dim)
             if out is None:
                 ko = _aligned_empty(shape, self._dtype)
@@ -1555,6 +1555,15 @@ cdef object _aligned_empty(tuple shape, object dtype):
     cdef size_t addr = <size_t>cnp.PyArray_DATA(raw)
     cdef Py_ssize_t off = (64 - <Py_ssize_t>(addr % 64)) % 64
     return raw[off:off + n].view(dtype).reshape(shape)
+
+
+cdef int64_t _valid_len(shmkv_ctx_t *c, uint32_t slot, int64_t s) except -1:
+    """A locked sequence's length, checked against its table before anything is sized
+    from it (never trust the segment)."""
+    cdef uint32_t nb = c.seqs[slot].nblocks, ln = c.seqs[slot].len
+    if nb > c.cfg.max_blocks_per_seq or <uint64_t>ln > <uint64_t>nb * c.cfg.block_size:
+        _raise(SHMKV_ECORRUPT, f"sequence {s}: length {ln} does not fit its {nb} blocks")
+    return ln
 
 
 cdef int _token_range(object start, object stop, int64_t L, int64_t s, int64_t *a,
