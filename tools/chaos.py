@@ -195,7 +195,8 @@ class Journal:
         self.path, self.nlanes, self.nslots = path, nlanes, nslots
         self.off_lanes = JHDR_BYTES
         self.off_hints = self.off_lanes + nlanes * LANE_WORDS * 8
-        self.off_entries = self.off_hints + nslots * 8
+        self.off_busy = self.off_hints + nslots * 8
+        self.off_entries = self.off_busy + nslots * 8
         size = self.off_entries + nslots * ENTRY_BYTES
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         self.fd = os.open(path, flags, 0o600)
@@ -204,11 +205,14 @@ class Journal:
         self.mm = mmap.mmap(self.fd, size)
         self.lanes = np.frombuffer(self.mm, np.int64, nlanes * LANE_WORDS,
                                    self.off_lanes).reshape(nlanes, LANE_WORDS)
+        # hints[slot]: sid of a detached sequence there (0: none); a hint, the record rules
         self.hints = np.frombuffer(self.mm, np.int64, nslots, self.off_hints)
+        # busy[slot]: lane + 1 of a worker appending to that pool sequence right now
+        self.busy = np.frombuffer(self.mm, np.int64, nslots, self.off_busy)
         self.held = set()
 
     def close(self):
-        self.lanes = self.hints = None
+        self.lanes = self.hints = self.busy = None
         try:
             self.mm.close()
         except BufferError:
@@ -463,6 +467,7 @@ class Worker:
         self.max_len = cfg.max_blocks_per_seq * cfg.block_size
         self.codec = Codec(cfg)
         self.views = None
+        self.J.busy[self.J.busy == self.lane + 1] = 0      # left by our lane's last death
         self.resolve_lane()
         dt = time.time_ns() - a["t_start_ns"]
 
@@ -795,7 +800,7 @@ class Worker:
 
     # -- the pool of detached sequences ---------------------------------------------------
     def pick_pool(self):
-        idx = np.flatnonzero(self.J.hints)
+        idx = np.flatnonzero(self.J.hints.copy())   # others change it meanwhile
         if idx.size == 0:
             return None
         return int(idx[self.rng.randrange(idx.size)])
@@ -856,7 +861,7 @@ class Worker:
             if e.intent != I_NONE or self.rng.random() < 0.35:
                 if not self.verify_claimed(slot, e):
                     return
-            npool = int(np.count_nonzero(self.J.hints))
+            npool = int(np.count_nonzero(self.J.hints.copy()))
             r = self.rng.random()
             if prefer_free or (npool > self.POOL_TARGET and r < 0.5) or e.conf >= self.max_len - 8:
                 e.intent = I_FREE
@@ -902,6 +907,7 @@ class Worker:
         k, v = self.codec.make(e.segs, e.conf, e.conf + n)
         e.intent, e.i_len, e.i_n = I_APPEND, e.conf, n
         self.J.write(slot, e)
+        self.J.busy[slot] = self.lane + 1         # readers and the controller aim here
         try:
             self.call("append", self.cache.append, e.sid, k, v)
         except shmkv.CacheFullError:
@@ -915,6 +921,8 @@ class Worker:
             e.state, e.intent = FREED, I_NONE
             self.J.write(slot, e)
             return False
+        finally:
+            self.J.busy[slot] = 0
         e.conf += n
         e.intent = I_NONE
         self.J.write(slot, e)
@@ -972,14 +980,22 @@ class Worker:
     def op_pool_read(self):
         """Read a pool sequence nobody here holds: gather (sequence lock) or a lock-free
         paged read through batch_block_tables + key_cache/value_cache views (the decode
-        path); check its structure, and its prefix against the journal."""
-        slot = self.pick_pool()
+        path); check its structure, and its prefix against the journal.  Half the time
+        aim at a sequence some worker is appending to right now (paged read: a gather
+        would wait for the append to finish)."""
+        slot, busy = None, False
+        if self.rng.random() < 0.5:
+            idx = np.flatnonzero(self.J.busy.copy())
+            if idx.size:
+                slot, busy = int(idx[self.rng.randrange(idx.size)]), True
+        if slot is None:
+            slot = self.pick_pool()
         if slot is None:
             return
         e = self.J.read(slot)
         if e is None or e.state != DETACHED:
             return
-        if self.rng.random() < 0.5:
+        if not busy and self.rng.random() < 0.5:
             try:
                 k, v = self.gather(e.sid)
             except shmkv.SequenceNotFound:
@@ -1101,7 +1117,12 @@ class Controller:
         self.armed_survived = 0
         self.exit_other = {}
         self.workers = {}              # lane -> dict(proc, inc, crash, started)
-        self.fail_off = 0
+        self.heartbeat = time.monotonic()
+        self.doing = "starting"
+        self.done = False
+        self.hung_workers = 0
+        self.aimed_kills = 0
+        self.t_start = time.monotonic()
 
     def cfail(self, kind, msg):
         self.fails[kind] += 1
@@ -1110,7 +1131,12 @@ class Controller:
         if self.args.verbose:
             print(f"  FAIL[{kind}] controller: {msg[:300]}", flush=True)
 
+    def beat(self, doing):
+        self.heartbeat = time.monotonic()
+        self.doing = doing
+
     def ccall(self, fn, *a, **kw):
+        self.beat(f"{getattr(fn, '__name__', fn)}{a[:1]}")
         t0 = time.perf_counter_ns()
         try:
             return fn(*a, **kw)
@@ -1145,8 +1171,11 @@ class Controller:
             _prepare_children(a.start_method)
             if a.start_method == "forkserver":
                 self.ctx.set_forkserver_preload(["numpy", "shmkv", "chaos"])
+            import threading
+            threading.Thread(target=self._watchdog, daemon=True).start()
             return self._run()
         finally:
+            self.done = True
             self._stop_all()
             try:
                 if self.cache is not None:
@@ -1161,6 +1190,35 @@ class Controller:
                 if getattr(self, "J", None) is not None:
                     self.J.close()
                 shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _watchdog(self):
+        """The controller itself stuck (a call that never returns: a wait that ignores
+        its bound) is a failure too: report, clean up and exit from this thread."""
+        limit = self.args.hang_limit
+        while not self.done:
+            time.sleep(0.5)
+            stuck = time.monotonic() - self.heartbeat
+            if stuck > limit and not self.done:
+                self.cfail("blocked", f"the controller has been stuck for {stuck:.1f} s in "
+                                      f"{self.doing} (a wait that ignores lock_timeout)")
+                code = 1
+                try:
+                    for w in list(self.workers.values()):
+                        try:
+                            os.kill(w["proc"].pid, signal.SIGKILL)
+                        except (ProcessLookupError, OSError):
+                            pass
+                    self.elapsed = time.monotonic() - self.t_start
+                    code = self._summary()
+                finally:
+                    try:
+                        import posix_ipc
+                        posix_ipc.unlink_shared_memory("/" + self.name)
+                    except Exception:
+                        pass
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                    sys.stdout.flush()
+                    os._exit(code)
 
     def _stop_all(self):
         for lane, w in list(self.workers.items()):
@@ -1244,8 +1302,10 @@ class Controller:
         next_check = t_start + a.check_interval
         next_progress = t_start + a.progress
         phase_end = t_start + a.phase if a.phase > 0 else t_end + 1
+        last_ops = {}
         while True:
             now = time.monotonic()
+            self.beat("main loop")
             if now >= t_end:
                 break
             if self.args.fail_fast and self.total_failures():
@@ -1260,6 +1320,7 @@ class Controller:
                 next_kill = now + self.rng.expovariate(1.0 / a.kill_interval)
             if now >= next_check:
                 self._check()
+                self._hangs(now, last_ops)
                 next_check = now + a.check_interval
             if now >= next_progress:
                 self._progress(now)
@@ -1272,6 +1333,23 @@ class Controller:
         self._audit(final=True)
         self.elapsed = time.monotonic() - t_start
         return self._summary()
+
+    def _hangs(self, now, last_ops):
+        """A ready worker whose call counters have not moved for --hang-limit seconds is
+        stuck inside a call (a wait that ignores lock_timeout): a failure; kill it."""
+        for lane, w in self.workers.items():
+            if w["killed"] or self.J.lanes[lane, LF["ready"]] != w["inc"]:
+                continue
+            ops = int(self.J.lanes[lane, CNT_BASE:CNT_BASE + len(OPS)].sum())
+            prev = last_ops.get(lane)
+            if prev is None or prev[0] != w["inc"] or prev[1] != ops:
+                last_ops[lane] = (w["inc"], ops, now)
+                continue
+            if now - prev[2] > self.args.hang_limit:
+                self.hung_workers += 1
+                self.cfail("blocked", f"worker lane {lane} inc {w['inc']} made no call for "
+                                      f"{now - prev[2]:.1f} s: stuck inside a call")
+                self._kill(lane)
 
     def _random_kill(self, now):
         cands = []
@@ -1286,8 +1364,22 @@ class Controller:
             if w["crash"] and now - ready_s < self.args.armed_grace:
                 continue                      # give the crash point its chance
             cands.append(lane)
-        if cands:
-            self._kill(self.rng.choice(cands))
+        if not cands:
+            return
+        if self.rng.random() < self.args.aim:
+            # aim: a worker inside a pool append right now (its death is what a detached
+            # sequence must survive, with every confirmed token and no torn publish);
+            # watch the journal's busy marks for up to 20 ms
+            deadline = time.monotonic() + 0.02
+            cset = set(cands)
+            while time.monotonic() < deadline:
+                aimed = [int(x) - 1 for x in self.J.busy.copy() if x and int(x) - 1 in cset]
+                if aimed:
+                    self.aimed_kills += 1
+                    self._kill(self.rng.choice(aimed))
+                    return
+                time.sleep(0.0002)
+        self._kill(self.rng.choice(cands))
 
     def total_failures(self):
         lanes = _lane_sum(self.J, FAIL_BASE, len(FAIL_KINDS))
@@ -1340,11 +1432,22 @@ class Controller:
         except shmkv.ShmkvError as e:
             self.cfail("invariant", f"audit: {type(e).__name__}: {e}")
             return
-        self._block_audit()
-        self._journal_audit()
+        locked = self._block_audit()
+        self._journal_audit(locked)
 
     def _block_audit(self):
+        """Independent of check(): recount every block's references from the read-only
+        snapshot.  Also: with every worker dead and recovery run, no sequence lock may
+        still be held (returns those sequences: gathering them would wait)."""
         snap = _core.snapshot(self.name)
+        locked = set()
+        for s in snap["sequences"]:
+            if s["writer_token"]:
+                locked.add(s["sid"])
+                self.cfail("invariant", f"sequence {s['sid']}: its lock is still held by "
+                                        f"token {s['writer_token']:#x} (alive: "
+                                        f"{s['writer_alive']}) after recover() with every "
+                                        f"worker dead")
         nb = self.cfg.num_blocks
         refs = np.zeros(nb, np.int64)
         for s in snap["sequences"]:
@@ -1370,8 +1473,9 @@ class Controller:
             b = int(wrong[0])
             self.cfail("leak", f"{wrong.size} blocks have ref_cnt != references (block {b}: "
                                f"ref_cnt {int(rc[b])}, references {int(refs[b])})")
+        return locked
 
-    def _journal_audit(self):
+    def _journal_audit(self, locked):
         c, J = self.cache, self.J
         live = set(c.sequences())
         accounted = set()
@@ -1411,6 +1515,8 @@ class Controller:
                 accounted.add(e.sid)
                 continue
             accounted.add(e.sid)
+            if e.sid in locked:
+                continue                       # reported; a gather would wait on it
             self._verify_detached(slot, e)
         for sid in sorted(live - accounted):
             self.cfail("unaccounted", f"live sequence {sid} after recovery with every worker "
@@ -1462,7 +1568,8 @@ class Controller:
 
     def _summary(self):
         a, J = self.args, self.J
-        st = self.cache.stats()
+        snap = _core.snapshot(self.name, tables=False)     # lock-free: safe even if wedged
+        st = dict(snap["counters"], max_recovery_s=snap["max_recovery_s"])
         lane_fail = _lane_sum(J, FAIL_BASE, len(FAIL_KINDS))
         fails = {k: int(lane_fail[i]) + self.fails[k] for i, k in enumerate(FAIL_KINDS)}
         counts = _lane_sum(J, CNT_BASE, len(OPS))
@@ -1473,7 +1580,8 @@ class Controller:
         worst_op = OPS[int(maxns.argmax())]
         res = dict(
             workers=a.workers, duration_s=round(self.elapsed, 1), plant=a.plant,
-            sigkills=self.kills, sigkills_in_audits=self.kills_quiesce,
+            sigkills=self.kills, aimed_kills=self.aimed_kills,
+            sigkills_in_audits=self.kills_quiesce,
             sigkills_total=self.kills + self.kills_quiesce,
             crash_point_deaths=dict(self.cp_deaths), crash_points_armed=dict(self.cp_armed),
             armed_then_sigkilled=self.armed_survived, restarts=self.restarts,
@@ -1497,10 +1605,13 @@ class Controller:
             max_journal_claim_wait_s=round(int(J.lanes[:, LF["max_claim_wait_ns"]].max()) / 1e9, 4),
             lost_tokens=lost_tokens, leaked_blocks_max=self.max_leaked,
             failures=fails, failure_total=sum(fails.values()),
-            exits_other=self.exit_other,
+            exits_other=self.exit_other, hung_workers=self.hung_workers,
         )
         lines = self._read_failures() + self.fail_lines
-        res["failure_samples"] = lines[:40]
+        per_kind = {}
+        for line in lines:
+            per_kind.setdefault(line.get("kind"), []).append(line)
+        res["failure_samples"] = [x for k in FAIL_KINDS for x in per_kind.get(k, [])[:5]]
         ok_counts = (self.kills + self.kills_quiesce >= a.min_kills
                      and min(self.cp_deaths.values()) >= a.min_per_point)
         res["counts_met"] = ok_counts
@@ -1524,6 +1635,7 @@ class Controller:
         print("-" * 78)
         rows = [
             ("SIGKILLs (random, running workers)", r["sigkills"]),
+            ("  of which aimed at a pool append", r["aimed_kills"]),
             ("SIGKILLs (kill-all audits)", r["sigkills_in_audits"]),
             ("SIGKILLs total", r["sigkills_total"]),
             ("crash-point deaths total", sum(r["crash_point_deaths"].values())),
@@ -1539,6 +1651,7 @@ class Controller:
             ("sequences / tokens verified", f"{r['sequences_verified']} / {r['tokens_verified']}"),
             ("in-flight appends resolved after a death", r["inflight_appends_resolved"]),
             ("max blocked call (s)", f"{r['max_blocked_s']} ({r['max_blocked_op']}; bound {r['bound_s']})"),
+            ("hung workers (no call returned)", r["hung_workers"]),
             ("invariant failures", r["failures"]["invariant"]),
             ("leaked blocks (max seen)", r["leaked_blocks_max"]),
             ("lost published tokens", r["lost_tokens"]),
@@ -1584,6 +1697,8 @@ def parse_args(argv=None):
     p.add_argument("--mean-life", type=float, default=0.5,
                    help="mean of the random (exponential) life span of a worker after it is "
                         "ready, before it may be SIGKILLed")
+    p.add_argument("--aim", type=float, default=0.3,
+                   help="fraction of SIGKILLs aimed at a worker that is inside a pool append")
     p.add_argument("--arm", type=float, default=0.5,
                    help="fraction of restarted workers armed with a crash point")
     p.add_argument("--armed-grace", type=float, default=1.5,
@@ -1595,6 +1710,9 @@ def parse_args(argv=None):
     p.add_argument("--bound", type=float, default=1.0,
                    help="seconds a call may block; longer is a failure")
     p.add_argument("--lock-timeout", type=float, default=5.0)
+    p.add_argument("--hang-limit", type=float, default=15.0,
+                   help="seconds without progress after which a worker (or the controller) "
+                        "counts as hung")
     p.add_argument("--min-kills", type=int, default=0)
     p.add_argument("--min-per-point", type=int, default=0)
     p.add_argument("--plant", choices=_core.PLANTED_BUGS, default=None)
@@ -1619,7 +1737,15 @@ def parse_args(argv=None):
     return args
 
 
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None):
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)    # a stuck run: kill -USR1
+    signal.signal(signal.SIGTERM, _terminate)                  # clean up on timeout(1)
+    signal.signal(signal.SIGHUP, _terminate)
     args = parse_args(argv)
     print(f"shmkv chaos: seed {args.seed}, {args.workers} workers, {args.duration} s, "
           f"kill interval {args.kill_interval} s, plant {args.plant}", flush=True)
