@@ -37,7 +37,7 @@ def _explain(proc):
 @pytest.mark.slow
 def test_chaos_short_run_has_no_failures(tmp_path):
     proc, r = run_chaos(tmp_path, "--workers", "8", "--duration", "45", "--phase", "15",
-                        "--min-kills", "60", "--min-per-point", "3")
+                        "--min-kills", "60", "--min-per-point", "3", "--max-duration", "100")
     assert r is not None, _explain(proc)
     assert proc.returncode == 0, _explain(proc)
     assert r["ok"] and r["counts_met"]
@@ -74,7 +74,8 @@ def test_chaos_catches_planted_bug(tmp_path, bug):
     # within seconds, not certain, so that one gets a second run.
     attempts = 2 if bug == "early_publish" else 1
     for _ in range(attempts):
-        proc, r = run_chaos(tmp_path, "--duration", "8", "--phase", "0", "--plant", bug)
+        proc, r = run_chaos(tmp_path, "--duration", "8", "--phase", "0", "--plant", bug,
+                            "--max-duration", "8")
         assert r is not None, _explain(proc)
         if r["caught"]:
             break
@@ -86,7 +87,7 @@ def test_chaos_catches_planted_bug(tmp_path, bug):
 
 def test_expect_failure_inverts_the_verdict(tmp_path):
     proc, r = run_chaos(tmp_path, "--duration", "4", "--phase", "0", "--plant", "no_cow",
-                        "--expect-failure")
+                        "--expect-failure", "--max-duration", "4")
     assert proc.returncode == 0, _explain(proc)
     assert "CAUGHT" in proc.stdout and r["caught"]
 

@@ -599,8 +599,11 @@ class Worker:
 
     # -- own sequences -------------------------------------------------------------------
     def op_create(self):
-        sid = self.call("create", self.cache.create_sequence,
-                        priority=self.rng.randrange(4))
+        try:
+            sid = self.call("create", self.cache.create_sequence,
+                            priority=self.rng.randrange(4))
+        except shmkv.CacheFullError:
+            return self.on_full("create")
         slot = sid % self.NS
         if not self.claim_new(slot, sid):
             self.call("free", self.cache.free, sid)
@@ -786,6 +789,8 @@ class Worker:
     def op_detach(self, e):
         if not self.mine(e):
             return
+        if np.count_nonzero(self.J.hints.copy()) > 2 * self.POOL_TARGET:
+            return self.op_free_own(e)             # the pool is big enough
         slot = e.sid % self.NS
         e.intent = I_DETACH
         self.J.write(slot, e)
@@ -863,7 +868,7 @@ class Worker:
                     return
             npool = int(np.count_nonzero(self.J.hints.copy()))
             r = self.rng.random()
-            if prefer_free or (npool > self.POOL_TARGET and r < 0.5) or e.conf >= self.max_len - 8:
+            if prefer_free or (npool > self.POOL_TARGET and r < 0.8) or e.conf >= self.max_len - 8:
                 e.intent = I_FREE
                 self.J.write(slot, e)
                 try:
@@ -1296,6 +1301,8 @@ class Controller:
         t_start = time.monotonic()
         self.t_start = t_start
         t_end = t_start + a.duration
+        hard_end = t_start + max(a.duration, a.max_duration)
+        extended = False
         for lane in range(a.workers):
             self._start(lane)
         next_kill = t_start + 0.5
@@ -1307,10 +1314,16 @@ class Controller:
             now = time.monotonic()
             self.beat("main loop")
             if now >= t_end:
-                break
+                if self.counts_met() or now >= hard_end or self.total_failures():
+                    break
+                if not extended:
+                    extended = True
+                    print(f"[{now - t_start:6.1f}s] counts not met yet: going on (at most "
+                          f"until {hard_end - t_start:.0f} s)", flush=True)
             if self.args.fail_fast and self.total_failures():
                 break
-            timeout = max(0.0, min(next_kill, next_check, next_progress, phase_end, t_end) - now)
+            timeout = max(0.0, min(next_kill, next_check, next_progress, phase_end,
+                                   max(t_end, now + 0.001)) - now)
             sentinels = {w["proc"].sentinel: lane for lane, w in self.workers.items()}
             for s in mp_wait(list(sentinels), timeout):
                 self._reap(sentinels[s])
@@ -1325,7 +1338,7 @@ class Controller:
             if now >= next_progress:
                 self._progress(now)
                 next_progress = now + a.progress
-            if now >= phase_end and t_end - now > a.phase / 3:
+            if now >= phase_end and max(t_end, hard_end if extended else t_end) - now > a.phase / 3:
                 self._audit(final=False)
                 for lane in range(a.workers):
                     self._start(lane)
@@ -1380,6 +1393,10 @@ class Controller:
                     return
                 time.sleep(0.0002)
         self._kill(self.rng.choice(cands))
+
+    def counts_met(self):
+        return (self.kills >= self.args.min_kills
+                and min(self.cp_deaths.values()) >= self.args.min_per_point)
 
     def total_failures(self):
         lanes = _lane_sum(self.J, FAIL_BASE, len(FAIL_KINDS))
@@ -1612,8 +1629,7 @@ class Controller:
         for line in lines:
             per_kind.setdefault(line.get("kind"), []).append(line)
         res["failure_samples"] = [x for k in FAIL_KINDS for x in per_kind.get(k, [])[:5]]
-        ok_counts = (self.kills + self.kills_quiesce >= a.min_kills
-                     and min(self.cp_deaths.values()) >= a.min_per_point)
+        ok_counts = self.counts_met()
         res["counts_met"] = ok_counts
         caught = sorted(k for k, v in fails.items() if v)
         res["caught"] = caught
@@ -1673,7 +1689,7 @@ class Controller:
                 print(f"    [{line.get('kind')}] lane {line.get('lane')}: "
                       f"{str(line.get('msg'))[:400]}")
         if not r["counts_met"]:
-            print(f"  counts NOT met: need >= {self.args.min_kills} SIGKILLs and >= "
+            print(f"  counts NOT met: need >= {self.args.min_kills} random SIGKILLs and >= "
                   f"{self.args.min_per_point} deaths at every crash point")
         if self.args.expect_failure:
             verdict = (f"planted bug {r['plant']!r} CAUGHT: {', '.join(r['caught'])}"
@@ -1689,17 +1705,20 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--duration", type=float, default=180.0, help="seconds")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds (at least)")
+    p.add_argument("--max-duration", type=float, default=270.0,
+                   help="after --duration, go on until --min-kills and --min-per-point are "
+                        "met, but not past this many seconds")
     p.add_argument("--kill-interval", type=float, default=0.005,
                    help="mean seconds between SIGKILL attempts: each picks a random running "
                         "worker whose life span is over (workers still starting are left to "
                         "the crash points)")
-    p.add_argument("--mean-life", type=float, default=0.5,
+    p.add_argument("--mean-life", type=float, default=0.35,
                    help="mean of the random (exponential) life span of a worker after it is "
                         "ready, before it may be SIGKILLed")
     p.add_argument("--aim", type=float, default=0.3,
                    help="fraction of SIGKILLs aimed at a worker that is inside a pool append")
-    p.add_argument("--arm", type=float, default=0.5,
+    p.add_argument("--arm", type=float, default=0.35,
                    help="fraction of restarted workers armed with a crash point")
     p.add_argument("--armed-grace", type=float, default=1.5,
                    help="seconds an armed worker is spared from SIGKILL")
@@ -1713,8 +1732,11 @@ def parse_args(argv=None):
     p.add_argument("--hang-limit", type=float, default=15.0,
                    help="seconds without progress after which a worker (or the controller) "
                         "counts as hung")
-    p.add_argument("--min-kills", type=int, default=0)
-    p.add_argument("--min-per-point", type=int, default=0)
+    p.add_argument("--min-kills", type=int, default=1000,
+                   help="random SIGKILLs of running workers the run must reach (the kill-all "
+                        "audits' SIGKILLs are counted apart)")
+    p.add_argument("--min-per-point", type=int, default=20,
+                   help="deaths the run must see at every crash point")
     p.add_argument("--plant", choices=_core.PLANTED_BUGS, default=None)
     p.add_argument("--expect-failure", action="store_true",
                    help="exit 0 only if a failure was caught (for --plant)")
