@@ -96,3 +96,23 @@ def test_snapshot_survives_owner_token_with_slot_zero(make_cache):
         f.write(struct.pack("<Q", 1 << 32))
     snap = _core.snapshot(cache.name)
     assert [s["sid"] for s in snap["sequences"]] == [sid]
+
+
+def test_gather_rejects_a_corrupt_length_before_allocating(make_cache):
+    """Core bug found by the fuzzer (minimised): gather() sizes its output arrays from the
+    sequence length in shared memory and only validates that length against the block
+    table afterwards (shmkv_seq_check_span).  A corrupt length (here 0xfffffff0 tokens on
+    a one-block sequence) makes it ask numpy for ~64 GiB: MemoryError here; on a machine
+    that overcommits, a huge allocation (or the OOM killer) instead of SegmentError."""
+    cache = make_cache(num_layers=2, num_kv_heads=1, head_dim=4, num_blocks=4, block_size=4,
+                       max_seqs=2)
+    cfg = cache.config
+    sid = cache.create_sequence()
+    a = np.ones((2, 2, 1, 4), cfg.numpy_dtype)
+    cache.append(sid, a, a)
+    off = _core.layout_of(cfg)["off_seqs"] + 64 * (sid % cfg.max_seqs) + 24   # seq.len
+    with open(os.path.join("/dev/shm", cache.name.lstrip("/")), "r+b") as f:
+        f.seek(off)
+        f.write(struct.pack("<I", 0xFFFFFFF0))
+    with pytest.raises(shmkv.SegmentError):
+        cache.gather(sid)

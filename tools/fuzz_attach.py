@@ -14,7 +14,8 @@ case is written as a new shared-memory object, then:
                                         SegmentError / FileNotFoundError / ValueError
   * shmkv.KVCache.attach(name)       -- success, or SegmentError / FileNotFoundError /
                                         ValueError; any other exception is a finding
-  * when attached: check(), stats(), sequences(), seq_len / block_table / gather of every
+  * when attached (half of the time with recover=False, so the calls meet the corruption
+    before any repair): check(), stats(), sequences(), seq_len / block_table / gather of every
     sequence, batch_block_tables(), recover(), check() again, a create + append + fork +
     free, close()  -- ShmkvError subclasses are fine; anything else is a finding
 
@@ -36,6 +37,7 @@ import json
 import mmap
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -428,7 +430,9 @@ def run_case(name, data, attach, rng, finding):
         if not attach:
             return snap_ok, False, 0
         try:
-            c = shmkv.KVCache.attach(name, prefault=rng.random() < 0.2, timeout=0.01)
+            # half without the recovery on attach: the calls then meet the corruption raw
+            c = shmkv.KVCache.attach(name, prefault=rng.random() < 0.2, timeout=0.01,
+                                     recover=rng.random() < 0.5)
         except EXPECTED_ATTACH:
             return snap_ok, False, 0
         except Exception as e:       # noqa: BLE001
@@ -687,8 +691,9 @@ def main(argv=None):
             with open(findings_path) as f:
                 findings = [json.loads(x) for x in f if x.strip()]
         uniq = {}
-        for fd_ in findings:
-            uniq.setdefault((fd_["where"], fd_["exc"], fd_["msg"][:80]), []).append(fd_)
+        for fd_ in findings:      # distinct: same call, exception and message but numbers
+            key = (fd_["where"], fd_["exc"], re.sub(r"\d+(\.\d+)?", "N", fd_["msg"])[:80])
+            uniq.setdefault(key, []).append(fd_)
         total = int(counts[:, 0].sum())
         res = dict(seed=args.seed, cases=total, elapsed_s=round(elapsed, 1),
                    cases_per_s=round(total / elapsed, 1), crashes=crashes, hangs=hangs,
@@ -711,8 +716,9 @@ def main(argv=None):
         for (where, exc, msg), lst in list(uniq.items())[:20]:
             print(f"  FINDING x{len(lst)}: {where}: {exc}: {msg} (case {lst[0]['case']}, "
                   f"{lst[0]['kind']}; reproduce: --seed {args.seed} --show {lst[0]['case']})")
-            print("    " + lst[0]["tb"].strip().splitlines()[-3].strip()
-                  if len(lst[0]["tb"].strip().splitlines()) >= 3 else "")
+            where_lines = [x.strip() for x in lst[0]["tb"].splitlines() if 'File "' in x]
+            if where_lines:
+                print("    at " + where_lines[-1])
         res["finding_samples"] = [dict(v[0], count=len(v)) for v in uniq.values()][:50]
         print("result: " + ("PASS" if res["ok"] else "FAIL"), flush=True)
         if args.json:
