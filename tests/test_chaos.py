@@ -85,6 +85,20 @@ def test_chaos_catches_planted_bug(tmp_path, bug):
     assert "FAIL" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sabotage,kinds", [("free_detached", {"lost_sequence"}),
+                                             ("corrupt_data", {"lost_tokens", "garbage"})])
+def test_chaos_catches_sabotage(tmp_path, sabotage, kinds):
+    """Damage no planted bug makes: a detached sequence freed behind the workers' backs,
+    one confirmed token changed in place."""
+    proc, r = run_chaos(tmp_path, "--duration", "6", "--phase", "0", "--sabotage", sabotage,
+                        "--max-duration", "6")
+    assert r is not None, _explain(proc)
+    assert r["sabotaged"] > 0
+    assert proc.returncode != 0, _explain(proc)
+    assert set(r["caught"]) & kinds, (r["caught"], r["failure_samples"][:5])
+
+
 def test_expect_failure_inverts_the_verdict(tmp_path):
     proc, r = run_chaos(tmp_path, "--duration", "4", "--phase", "0", "--plant", "no_cow",
                         "--expect-failure", "--max-duration", "4")

@@ -1127,6 +1127,7 @@ class Controller:
         self.done = False
         self.hung_workers = 0
         self.aimed_kills = 0
+        self.sabotaged = 0
         self.t_start = time.monotonic()
 
     def cfail(self, kind, msg):
@@ -1334,6 +1335,8 @@ class Controller:
             if now >= next_check:
                 self._check()
                 self._hangs(now, last_ops)
+                if a.sabotage:
+                    self._sabotage()
                 next_check = now + a.check_interval
             if now >= next_progress:
                 self._progress(now)
@@ -1346,6 +1349,28 @@ class Controller:
         self._audit(final=True)
         self.elapsed = time.monotonic() - t_start
         return self._summary()
+
+    def _sabotage(self):
+        """Harness self-test: damage a detached sequence behind the workers' backs, the
+        way a core bug would; the run must catch it."""
+        idx = np.flatnonzero(self.J.hints.copy())
+        if idx.size == 0:
+            return
+        slot = int(idx[self.rng.randrange(idx.size)])
+        e = self.J.read(slot)
+        if e is None or e.state != DETACHED or e.conf < 2:
+            return
+        try:
+            if self.args.sabotage == "free_detached":
+                self.cache.free(e.sid)
+            else:                                 # corrupt_data: one confirmed token
+                tab = self.cache.block_table(e.sid)
+                t = self.rng.randrange(e.conf)
+                bs = self.cfg.block_size
+                self.cache.value_cache(self.cfg.num_layers - 1)[tab[t // bs], t % bs] += 1
+            self.sabotaged += 1
+        except shmkv.ShmkvError:
+            pass
 
     def _hangs(self, now, last_ops):
         """A ready worker whose call counters have not moved for --hang-limit seconds is
@@ -1623,6 +1648,7 @@ class Controller:
             lost_tokens=lost_tokens, leaked_blocks_max=self.max_leaked,
             failures=fails, failure_total=sum(fails.values()),
             exits_other=self.exit_other, hung_workers=self.hung_workers,
+            sabotage=a.sabotage, sabotaged=self.sabotaged,
         )
         lines = self._read_failures() + self.fail_lines
         per_kind = {}
@@ -1738,6 +1764,10 @@ def parse_args(argv=None):
     p.add_argument("--min-per-point", type=int, default=20,
                    help="deaths the run must see at every crash point")
     p.add_argument("--plant", choices=_core.PLANTED_BUGS, default=None)
+    p.add_argument("--sabotage", choices=("free_detached", "corrupt_data"), default=None,
+                   help="harness self-test: the controller frees a detached sequence / "
+                        "changes one confirmed token behind the workers' backs every check "
+                        "interval; the run must FAIL")
     p.add_argument("--expect-failure", action="store_true",
                    help="exit 0 only if a failure was caught (for --plant)")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
