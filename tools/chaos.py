@@ -993,6 +993,25 @@ class Worker:
             idx = np.flatnonzero(self.J.busy.copy())
             if idx.size:
                 slot, busy = int(idx[self.rng.randrange(idx.size)]), True
+                sid = int(self.J.hints[slot])
+                if sid:                      # read first (fast), then consult the record
+                    got = self.paged_read(sid)
+                    if got is None:
+                        return
+                    k, v = got
+                    try:
+                        self.codec.derive(k, v)
+                    except DataError as ex:
+                        self.fail("garbage", f"paged read of {sid} during an append "
+                                             f"({k.shape[1]} tokens): {ex}")
+                        return
+                    e = self.J.read(slot)
+                    if e is not None and e.sid == sid:
+                        self.check_pool_prefix(e, k, v, "paged read during an append",
+                                               record_first=False)
+                    self.bump("tokens_verified", k.shape[1])
+                    return
+                slot = None
         if slot is None:
             slot = self.pick_pool()
         if slot is None:
@@ -1012,22 +1031,28 @@ class Worker:
                 return
             k, v = got
         n = k.shape[1]
-        if n < e.conf:
-            self.fail("lost_tokens", f"pool read of {e.sid}: {n} tokens, {e.conf} confirmed; {e}")
-            self.bump("lost_token_count", e.conf - n)
         try:
             self.codec.derive(k, v)
         except DataError as ex:
             self.fail("garbage", f"pool read of {e.sid} ({n} tokens): {ex}; {e}")
             return
+        self.check_pool_prefix(e, k, v, "pool read")
+        self.bump("tokens_verified", n)
+
+    def check_pool_prefix(self, e, k, v, where, record_first=True):
+        """A read of a pool sequence: every token the record confirms must be right, and
+        (if the record was read BEFORE the data) there."""
+        n = k.shape[1]
+        if record_first and n < e.conf:
+            self.fail("lost_tokens", f"{where} of {e.sid}: {n} tokens, {e.conf} confirmed; {e}")
+            self.bump("lost_token_count", e.conf - n)
         m = min(n, e.conf)
         if m:
             i, cnt = self.codec.first_mismatch(k[:, :m], v[:, :m], e.segs, 0)
             if i is not None:
-                self.fail("lost_tokens", f"pool read of {e.sid}: confirmed token {i} differs "
+                self.fail("lost_tokens", f"{where} of {e.sid}: confirmed token {i} differs "
                                          f"({cnt}); {e}")
                 self.bump("lost_token_count", cnt)
-        self.bump("tokens_verified", n)
 
     def paged_read(self, sid):
         c, bs = self.cache, self.cfg.block_size
@@ -1041,10 +1066,19 @@ class Worker:
         n = int(lens[0])
         nb = -(-n // bs)
         tab = tables[0, :nb].copy()
-        t = np.arange(n)
+        # newest tokens first, V (copied last by append) before K, last layer first: what
+        # an early publish would leave unwritten is read while its copy may still run
+        t = np.arange(n - 1, -1, -1)
         blk, off = tab[t // bs], t % bs
-        k = np.stack([kv[0][blk, off] for kv in self.views])
-        v = np.stack([kv[1][blk, off] for kv in self.views])
+        L = len(self.views)
+        v = [None] * L
+        k = [None] * L
+        for l in range(L - 1, -1, -1):
+            v[l] = self.views[l][1][blk, off][::-1]
+        for l in range(L - 1, -1, -1):
+            k[l] = self.views[l][0][blk, off][::-1]
+        k, v = np.stack(k), np.stack(v)
+        self.lv[CNT_BASE + OP_INDEX["paged_read"]] += 1
         try:
             tables2, lens2 = self.call("tables", c.batch_block_tables, [sid])
         except shmkv.SequenceNotFound:
