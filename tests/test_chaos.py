@@ -52,6 +52,19 @@ def test_chaos_short_run_has_no_failures(tmp_path):
     assert r["audits"] >= 3
 
 
+@pytest.mark.slow
+def test_chaos_spawn_workers_armed_through_the_environment(tmp_path):
+    """--start-method spawn: fresh interpreters, crash points armed the documented way
+    (SHMKV_CRASH_POINT=name:N in the environment, read at import)."""
+    proc, r = run_chaos(tmp_path, "--workers", "6", "--duration", "15", "--phase", "0",
+                        "--start-method", "spawn", "--min-kills", "5", "--min-per-point", "1",
+                        "--max-duration", "40")
+    assert r is not None, _explain(proc)
+    assert proc.returncode == 0, _explain(proc)
+    assert r["failure_total"] == 0
+    assert all(n >= 1 for n in r["crash_point_deaths"].values()), r["crash_point_deaths"]
+
+
 # what each planted bug must be caught as
 PLANTED = {
     "no_recovery": {"unreclaimed", "invariant", "leak", "unaccounted", "lock_timeout",

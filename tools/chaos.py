@@ -453,10 +453,11 @@ class Worker:
     # -- main ------------------------------------------------------------------------------
     def run(self):
         a = self.a
-        if a.get("plant"):
-            _core.plant_bug(a["plant"])
-        if a.get("crash"):
-            _core.set_crash_point(a["crash"], a["countdown"])
+        if not a.get("arm_via_env"):
+            if a.get("plant"):
+                _core.plant_bug(a["plant"])
+            if a.get("crash"):
+                _core.set_crash_point(a["crash"], a["countdown"])
         self.lv[LF["pid"]] = os.getpid()
         self.lv[LF["inc"]] = self.inc
         self.cache = self.call("attach", shmkv.KVCache.attach, a["name"], prefault=False)
@@ -1291,7 +1292,29 @@ class Controller:
         self.J.lanes[lane, LF["ready"]] = 0
         import chaos
         p = self.ctx.Process(target=chaos.worker_entry, args=(args,), daemon=True)
-        p.start()
+        if a.start_method == "spawn":
+            # a fresh interpreter imports shmkv: arm it the documented way, through the
+            # environment (SHMKV_CRASH_POINT=name:N, SHMKV_PLANT=name)
+            args["arm_via_env"] = True
+            env = {"SHMKV_CRASH_POINT": f"{crash}:{countdown}" if crash else None,
+                   "SHMKV_PLANT": a.plant}
+            saved = {k: os.environ.get(k) for k in env}
+            try:
+                for k, v in env.items():
+                    if v:
+                        os.environ[k] = v
+                    else:
+                        os.environ.pop(k, None)
+                p.start()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        else:
+            # forkserver children inherit an already imported shmkv: arm it by call
+            p.start()
         self.workers[lane] = dict(proc=p, inc=self.inc, crash=crash, started=time.monotonic(),
                                   killed=False,
                                   life=self.rng.expovariate(1.0 / a.mean_life))
