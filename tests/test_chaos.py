@@ -25,7 +25,7 @@ def run_chaos(tmp_path, *args, timeout=300):
     # cwd outside the repository: the source tree must not shadow the installed package
     proc = subprocess.run([sys.executable, CHAOS, "--json", str(out), *args],
                           cwd=str(tmp_path), capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
     report = json.loads(out.read_text()) if out.exists() else None
     return proc, report
 

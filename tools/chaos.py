@@ -68,12 +68,13 @@ import zlib
 
 import numpy as np
 
+import shmkv
+from shmkv import _core
+
+# workers are started by importing this file as the module `chaos`
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TOOLS_DIR not in sys.path:
     sys.path.insert(0, TOOLS_DIR)
-
-import shmkv  # noqa: E402
-from shmkv import _core  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # shared vocabulary
@@ -152,8 +153,18 @@ if __name__ == "chaos":
 
 class Entry:
     """One journal record: what the harness knows about the sequence in a slot."""
-    __slots__ = ("sid", "state", "intent", "holder", "flags", "conf", "i_len", "i_n",
-                 "segs", "ver")
+    __slots__ = (
+        "conf",
+        "flags",
+        "holder",
+        "i_len",
+        "i_n",
+        "intent",
+        "segs",
+        "sid",
+        "state",
+        "ver",
+    )
 
     def __init__(self, sid=0, state=EMPTY, intent=I_NONE, holder=0, flags=0, conf=0,
                  i_len=0, i_n=0, segs=(), ver=0):
@@ -426,8 +437,8 @@ class Worker:
         k = self.logged.get(kind, 0)
         self.logged[kind] = k + 1
         if k < 10:
-            line = json.dumps(dict(kind=kind, lane=self.lane, inc=self.inc, pid=os.getpid(),
-                                   t=time.time(), msg=msg[:2000])) + "\n"
+            line = json.dumps({"kind": kind, "lane": self.lane, "inc": self.inc, "pid": os.getpid(),
+                                   "t": time.time(), "msg": msg[:2000]}) + "\n"
             os.write(self.fail_fd, line.encode())
 
     def call(self, op, fn, *args, **kw):
@@ -441,8 +452,7 @@ class Worker:
             dt = time.perf_counter_ns() - t0
             i = OP_INDEX[op]
             self.lv[CNT_BASE + i] += 1
-            if dt > self.lv[MAX_BASE + i]:
-                self.lv[MAX_BASE + i] = dt
+            self.lv[MAX_BASE + i] = max(self.lv[MAX_BASE + i], dt)
             if dt > self.bound_ns:
                 self.fail("blocked", f"{op}{args[:1]} took {dt / 1e9:.3f} s "
                                      f"(bound {self.bound_ns / 1e9} s)")
@@ -474,8 +484,7 @@ class Worker:
 
         self.bump("startup_ns_sum", dt)
         self.bump("startups")
-        if dt > self.lv[LF["startup_ns_max"]]:
-            self.lv[LF["startup_ns_max"]] = dt
+        self.lv[LF["startup_ns_max"]] = max(self.lv[LF["startup_ns_max"]], dt)
         self.lv[LF["ready_mono_ns"]] = time.monotonic_ns()
         self.lv[LF["ready"]] = self.inc
         while True:
@@ -485,7 +494,7 @@ class Worker:
                 pass                                 # already counted
             except DataError as e:
                 self.fail("garbage", str(e))
-            except Exception:
+            except Exception:  # noqa: BLE001 -- any other exception is a finding
                 self.fail("exception", traceback.format_exc())
 
     def step(self):
@@ -537,8 +546,7 @@ class Worker:
                 return False
             time.sleep(0.0002)
         dt = time.perf_counter_ns() - t0
-        if dt > self.lv[LF["max_claim_wait_ns"]]:
-            self.lv[LF["max_claim_wait_ns"]] = dt
+        self.lv[LF["max_claim_wait_ns"]] = max(self.lv[LF["max_claim_wait_ns"]], dt)
         old = self.J.read(slot)
         if old is not None and old.sid != sid:
             self.judge_vanished(old, f"slot {slot} reused by {sid}")
@@ -864,9 +872,9 @@ class Worker:
             e = self.J.read(slot)
             if e is None or e.state != DETACHED:
                 return
-            if e.intent != I_NONE or self.rng.random() < 0.35:
-                if not self.verify_claimed(slot, e):
-                    return
+            if (e.intent != I_NONE or self.rng.random() < 0.35) and \
+                    not self.verify_claimed(slot, e):
+                return
             npool = int(np.count_nonzero(self.J.hints.copy()))
             r = self.rng.random()
             if prefer_free or (npool > self.POOL_TARGET and r < 0.8) or e.conf >= self.max_len - 8:
@@ -1081,7 +1089,7 @@ class Worker:
         k, v = np.stack(k), np.stack(v)
         self.lv[CNT_BASE + OP_INDEX["paged_read"]] += 1
         try:
-            tables2, lens2 = self.call("tables", c.batch_block_tables, [sid])
+            tables2, _ = self.call("tables", c.batch_block_tables, [sid])
         except shmkv.SequenceNotFound:
             self.bump("reads_discarded")
             return None
@@ -1098,12 +1106,12 @@ def worker_entry(a):
     try:
         w = Worker(a)
         w.run()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 -- record why the worker died, then die
         try:
             fd = os.open(a["failures"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            line = json.dumps(dict(kind="exception", lane=a["lane"], inc=a["inc"],
-                                   pid=os.getpid(), t=time.time(),
-                                   msg="worker died: " + traceback.format_exc()[-2000:]))
+            line = json.dumps({"kind": "exception", "lane": a["lane"], "inc": a["inc"],
+                                   "pid": os.getpid(), "t": time.time(),
+                                   "msg": "worker died: " + traceback.format_exc()[-2000:]})
             os.write(fd, (line + "\n").encode())
             if w is not None:
                 w.lv[FAIL_BASE + FAIL_INDEX["exception"]] += 1
@@ -1114,6 +1122,15 @@ def worker_entry(a):
 # --------------------------------------------------------------------------------------
 # the controller
 # --------------------------------------------------------------------------------------
+def _unlink_segment(name):
+    """The segment's name, whatever state the run is in (gone already is fine)."""
+    import posix_ipc
+    try:
+        posix_ipc.unlink_shared_memory("/" + name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
 def _prepare_children(method):
     """Make worker starts cheap and importable.  (1) The forkserver imports its preload
     list before it applies the parent's sys.path, so it finds `chaos` only through
@@ -1168,7 +1185,7 @@ class Controller:
     def cfail(self, kind, msg):
         self.fails[kind] += 1
         if len(self.fail_lines) < 200:
-            self.fail_lines.append(dict(kind=kind, lane=-1, msg=msg[:2000]))
+            self.fail_lines.append({"kind": kind, "lane": -1, "msg": msg[:2000]})
         if self.args.verbose:
             print(f"  FAIL[{kind}] controller: {msg[:300]}", flush=True)
 
@@ -1223,11 +1240,7 @@ class Controller:
                     self.cache.unlink()
                     self.cache.close()
             finally:
-                try:
-                    import posix_ipc
-                    posix_ipc.unlink_shared_memory("/" + self.name)
-                except Exception:
-                    pass
+                _unlink_segment(self.name)
                 if getattr(self, "J", None) is not None:
                     self.J.close()
                 shutil.rmtree(self.tmp, ignore_errors=True)
@@ -1252,11 +1265,7 @@ class Controller:
                     self.elapsed = time.monotonic() - self.t_start
                     code = self._summary()
                 finally:
-                    try:
-                        import posix_ipc
-                        posix_ipc.unlink_shared_memory("/" + self.name)
-                    except Exception:
-                        pass
+                    _unlink_segment(self.name)
                     shutil.rmtree(self.tmp, ignore_errors=True)
                     sys.stdout.flush()
                     os._exit(code)
@@ -1284,11 +1293,11 @@ class Controller:
                   "cow_after_copy": 2, "cow_commit_mid": 2}.get(crash, 8)
             countdown = self.rng.randint(1, hi)
             self.cp_armed[crash] += 1
-        args = dict(name=self.name, journal=self.J.path, failures=self.fail_path,
-                    lanes=a.workers, max_seqs=self.cfg.max_seqs, lane=lane, inc=self.inc,
-                    seed=self.rng.getrandbits(64), crash=crash, countdown=countdown,
-                    plant=a.plant, bound=a.bound, lock_timeout=a.lock_timeout,
-                    t_start_ns=time.time_ns())
+        args = {"name": self.name, "journal": self.J.path, "failures": self.fail_path,
+                    "lanes": a.workers, "max_seqs": self.cfg.max_seqs, "lane": lane, "inc": self.inc,
+                    "seed": self.rng.getrandbits(64), "crash": crash, "countdown": countdown,
+                    "plant": a.plant, "bound": a.bound, "lock_timeout": a.lock_timeout,
+                    "t_start_ns": time.time_ns()}
         self.J.lanes[lane, LF["ready"]] = 0
         import chaos
         p = self.ctx.Process(target=chaos.worker_entry, args=(args,), daemon=True)
@@ -1315,9 +1324,9 @@ class Controller:
         else:
             # forkserver children inherit an already imported shmkv: arm it by call
             p.start()
-        self.workers[lane] = dict(proc=p, inc=self.inc, crash=crash, started=time.monotonic(),
-                                  killed=False,
-                                  life=self.rng.expovariate(1.0 / a.mean_life))
+        self.workers[lane] = {"proc": p, "inc": self.inc, "crash": crash, "started": time.monotonic(),
+                                  "killed": False,
+                                  "life": self.rng.expovariate(1.0 / a.mean_life)}
         self.restarts += 1
 
     def _reap(self, lane, restart=True):
@@ -1524,7 +1533,7 @@ class Controller:
             if problems:
                 self.cfail("invariant", f"check() with every worker dead, before recover(): "
                                         f"{problems[:8]}")
-            r = self.ccall(c.recover)
+            self.ccall(c.recover)
             problems = self.ccall(c.check)
             if problems:
                 self.cfail("invariant", f"check() after recover(): {problems[:8]}")
@@ -1677,36 +1686,36 @@ class Controller:
         lost_tokens = lf["lost_token_count"] + self.lost_tokens_ctl
         max_blocked = int(maxns.max())
         worst_op = OPS[int(maxns.argmax())]
-        res = dict(
-            workers=a.workers, duration_s=round(self.elapsed, 1), plant=a.plant,
-            sigkills=self.kills, aimed_kills=self.aimed_kills,
-            sigkills_in_audits=self.kills_quiesce,
-            sigkills_total=self.kills + self.kills_quiesce,
-            crash_point_deaths=dict(self.cp_deaths), crash_points_armed=dict(self.cp_armed),
-            armed_then_sigkilled=self.armed_survived, restarts=self.restarts,
-            audits=self.audits, checks=self.checks,
-            recoveries=st["recoveries"], lock_owner_dead=st["lock_owner_dead"],
-            reclaimed_sequences=st["reclaimed_sequences"],
-            reclaimed_blocks=st["reclaimed_blocks"],
-            dead_owner_sequences_seen_reclaimed=lf["reclaimed_seen"] + self.reclaimed_ctl,
-            max_recovery_s=st["max_recovery_s"],
-            ops={OPS[i]: int(counts[i]) for i in range(len(OPS))},
-            max_call_s={OPS[i]: round(int(maxns[i]) / 1e9, 4) for i in range(len(OPS))},
-            max_blocked_s=round(max_blocked / 1e9, 4), max_blocked_op=worst_op,
-            bound_s=a.bound, controller_max_call_s=round(self.max_ctl_call_ns / 1e9, 4),
-            tokens_verified=lf["tokens_verified"] + self.tokens_verified_ctl,
-            sequences_verified=lf["seqs_verified"] + self.seqs_verified_ctl,
-            pool_appends=lf["pool_appends"], cow_appends=lf["cow_appends"],
-            inflight_appends_resolved=lf["resolved_inflight"],
-            paged_reads_discarded=lf["reads_discarded"], cache_full=lf["cache_full"],
-            worker_startup_mean_s=round(int(J.lanes[:, LF["startup_ns_sum"]].sum()) / 1e9 / max(1, int(J.lanes[:, LF["startups"]].sum())), 4),
-            worker_startup_max_s=round(int(J.lanes[:, LF["startup_ns_max"]].max()) / 1e9, 4),
-            max_journal_claim_wait_s=round(int(J.lanes[:, LF["max_claim_wait_ns"]].max()) / 1e9, 4),
-            lost_tokens=lost_tokens, leaked_blocks_max=self.max_leaked,
-            failures=fails, failure_total=sum(fails.values()),
-            exits_other=self.exit_other, hung_workers=self.hung_workers,
-            sabotage=a.sabotage, sabotaged=self.sabotaged,
-        )
+        res = {
+            "workers": a.workers, "duration_s": round(self.elapsed, 1), "plant": a.plant,
+            "sigkills": self.kills, "aimed_kills": self.aimed_kills,
+            "sigkills_in_audits": self.kills_quiesce,
+            "sigkills_total": self.kills + self.kills_quiesce,
+            "crash_point_deaths": dict(self.cp_deaths), "crash_points_armed": dict(self.cp_armed),
+            "armed_then_sigkilled": self.armed_survived, "restarts": self.restarts,
+            "audits": self.audits, "checks": self.checks,
+            "recoveries": st["recoveries"], "lock_owner_dead": st["lock_owner_dead"],
+            "reclaimed_sequences": st["reclaimed_sequences"],
+            "reclaimed_blocks": st["reclaimed_blocks"],
+            "dead_owner_sequences_seen_reclaimed": lf["reclaimed_seen"] + self.reclaimed_ctl,
+            "max_recovery_s": st["max_recovery_s"],
+            "ops": {OPS[i]: int(counts[i]) for i in range(len(OPS))},
+            "max_call_s": {OPS[i]: round(int(maxns[i]) / 1e9, 4) for i in range(len(OPS))},
+            "max_blocked_s": round(max_blocked / 1e9, 4), "max_blocked_op": worst_op,
+            "bound_s": a.bound, "controller_max_call_s": round(self.max_ctl_call_ns / 1e9, 4),
+            "tokens_verified": lf["tokens_verified"] + self.tokens_verified_ctl,
+            "sequences_verified": lf["seqs_verified"] + self.seqs_verified_ctl,
+            "pool_appends": lf["pool_appends"], "cow_appends": lf["cow_appends"],
+            "inflight_appends_resolved": lf["resolved_inflight"],
+            "paged_reads_discarded": lf["reads_discarded"], "cache_full": lf["cache_full"],
+            "worker_startup_mean_s": round(int(J.lanes[:, LF["startup_ns_sum"]].sum()) / 1e9 / max(1, int(J.lanes[:, LF["startups"]].sum())), 4),
+            "worker_startup_max_s": round(int(J.lanes[:, LF["startup_ns_max"]].max()) / 1e9, 4),
+            "max_journal_claim_wait_s": round(int(J.lanes[:, LF["max_claim_wait_ns"]].max()) / 1e9, 4),
+            "lost_tokens": lost_tokens, "leaked_blocks_max": self.max_leaked,
+            "failures": fails, "failure_total": sum(fails.values()),
+            "exits_other": self.exit_other, "hung_workers": self.hung_workers,
+            "sabotage": a.sabotage, "sabotaged": self.sabotaged,
+        }
         lines = self._read_failures() + self.fail_lines
         per_kind = {}
         for line in lines:

@@ -48,15 +48,14 @@ import traceback
 import uuid
 
 import numpy as np
+import posix_ipc
+
+import shmkv
+from shmkv import _core
 
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TOOLS_DIR not in sys.path:
     sys.path.insert(0, TOOLS_DIR)
-
-import posix_ipc  # noqa: E402
-
-import shmkv  # noqa: E402
-from shmkv import _core  # noqa: E402
 
 PAGE = 4096
 # ---- what the fuzzer knows of the layout (checked against a real segment at start) -----
@@ -129,12 +128,12 @@ def interesting(rng, fmt, extra=()):
 # templates
 # --------------------------------------------------------------------------------------
 TEMPLATE_CONFIGS = [
-    dict(num_layers=2, num_kv_heads=1, head_dim=4, num_blocks=16, block_size=4,
-         dtype="float16", max_seqs=8, max_procs=4),
-    dict(num_layers=1, num_kv_heads=2, head_dim=2, num_blocks=8, block_size=1,
-         dtype="float32", max_seqs=4, max_procs=2),
-    dict(num_layers=3, num_kv_heads=1, head_dim=1, num_blocks=32, block_size=8,
-         dtype="float16", max_seqs=16, max_procs=8, max_seq_len=64),
+    {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "num_blocks": 16, "block_size": 4,
+         "dtype": "float16", "max_seqs": 8, "max_procs": 4},
+    {"num_layers": 1, "num_kv_heads": 2, "head_dim": 2, "num_blocks": 8, "block_size": 1,
+         "dtype": "float32", "max_seqs": 4, "max_procs": 2},
+    {"num_layers": 3, "num_kv_heads": 1, "head_dim": 1, "num_blocks": 32, "block_size": 8,
+         "dtype": "float16", "max_seqs": 16, "max_procs": 8, "max_seq_len": 64},
 ]
 
 
@@ -144,15 +143,17 @@ def make_templates(tag):
     for i, kw in enumerate(TEMPLATE_CONFIGS):
         cfg = shmkv.CacheConfig(**kw)
         name = f"shmkv-fuzz-tmpl-{tag}-{i}"
+        lay = _core.layout_of(cfg)
+        f = os.path.join("/dev/shm", name)
+        L, bs = cfg.num_layers, cfg.block_size
+
+        def toks(n, base, cfg=cfg):
+            shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
+            a = (np.arange(np.prod(shape)) + base).astype(cfg.numpy_dtype).reshape(shape)
+            return a, -a
+
         c = shmkv.KVCache.create(name, cfg)
         try:
-            L, H, D, bs = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.block_size
-            dt = cfg.numpy_dtype
-
-            def toks(n, base):
-                a = (np.arange(L * n * H * D) + base).astype(dt).reshape(L, n, H, D)
-                return a, -a
-
             s1 = c.create_sequence()
             c.append(s1, *toks(bs + bs // 2 + 1, 1))
             s2 = c.fork(s1)
@@ -165,15 +166,15 @@ def make_templates(tag):
             k, v = toks(1, 300)
             for layer in range(L):
                 c.write(layer, slots, k[layer], v[layer])
-            f = os.path.join("/dev/shm", name)
-            live = open(f, "rb").read()                    # we are an ACTIVE process
+            with open(f, "rb") as fh:
+                live = fh.read()                           # we are an ACTIVE process
             c.free(s2)
-            lay = _core.layout_of(cfg)
-            out.append((canonical(live, cfg, lay), dict(config=kw, layout=lay, state="live")))
+            out.append((canonical(live, cfg, lay), {"config": kw, "layout": lay, "state": "live"}))
         finally:
             c.close()
-        after = open(f, "rb").read()                       # closed: only s3 is left
-        out.append((canonical(after, cfg, lay), dict(config=kw, layout=lay, state="closed")))
+        with open(f, "rb") as fh:
+            after = fh.read()                              # closed: only s3 is left
+        out.append((canonical(after, cfg, lay), {"config": kw, "layout": lay, "state": "closed"}))
         posix_ipc.unlink_shared_memory("/" + name)
     # the fuzzer's idea of the layout must match the real thing
     t, meta = out[0]
@@ -425,7 +426,7 @@ def run_case(name, data, attach, rng, finding):
             int(s["ref_cnt"].sum())
         except EXPECTED_SNAPSHOT:
             pass
-        except Exception as e:       # noqa: BLE001 -- anything else is what we look for
+        except Exception as e:  # noqa: BLE001 -- anything else is what we look for
             finding("snapshot", e)
         if not attach:
             return snap_ok, False, 0
@@ -435,7 +436,7 @@ def run_case(name, data, attach, rng, finding):
                                      recover=rng.random() < 0.5)
         except EXPECTED_ATTACH:
             return snap_ok, False, 0
-        except Exception as e:       # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             finding("attach", e)
             return snap_ok, False, 0
         errors = 0
@@ -447,7 +448,7 @@ def run_case(name, data, attach, rng, finding):
                 c.close()
             except EXPECTED_OPS:
                 errors += 1
-            except Exception as e:   # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
                 finding("close", e)
         return snap_ok, True, errors
     finally:
@@ -463,7 +464,7 @@ def exercise(c, rng, finding):
             return fn(*a, **kw)
         except EXPECTED_OPS:
             errors += 1
-        except Exception as e:       # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             finding(what, e)
         return None
 
@@ -522,10 +523,10 @@ def child_main(opts):
         k = KINDS.index(kind)
         rng = random.Random(seed * 7_000_003 + i)
 
-        def finding(where, e, i=i, kind=kind):
+        def finding(where, e, i=i, kind=kind, k=k):
             counts[k, OUTCOMES.index("findings")] += 1
-            line = dict(case=i, kind=kind, where=where, exc=type(e).__name__,
-                        msg=str(e)[:300], tb=traceback.format_exc()[-1500:])
+            line = {"case": i, "kind": kind, "where": where, "exc": type(e).__name__,
+                        "msg": str(e)[:300], "tb": traceback.format_exc()[-1500:]}
             os.write(ffd, (json.dumps(line) + "\n").encode())
 
         if i == opts.get("self_test_crash"):
@@ -613,9 +614,9 @@ def main(argv=None):
         mm = mmap.mmap(fd, 8 * PROG_WORDS * args.jobs)
         prog = np.frombuffer(mm, np.int64, PROG_WORDS * args.jobs).reshape(args.jobs, PROG_WORDS)
         findings_path = os.path.join(work, "findings.jsonl")
-        opts = dict(templates=tpaths, progress=progress, findings=findings_path,
-                    seed=args.seed, jobs=args.jobs, self_test_crash=args.self_test_crash,
-                    self_test_hang=args.self_test_hang)
+        opts = {"templates": tpaths, "progress": progress, "findings": findings_path,
+                    "seed": args.seed, "jobs": args.jobs, "self_test_crash": args.self_test_crash,
+                    "self_test_hang": args.self_test_hang}
         todo = [(a, min(a + args.batch, args.count)) for a in range(0, args.count, args.batch)]
         todo.reverse()
         running = {}          # job -> (proc, start, end, last_index, last_change)
@@ -637,7 +638,7 @@ def main(argv=None):
             prog[job, 2:] = 0
 
         def save(i, why):
-            kind, data, attach = make_case(templates, args.seed, i)
+            kind, data, _ = make_case(templates, args.seed, i)
             os.makedirs(out_dir, exist_ok=True)
             path = os.path.join(out_dir, f"{why}-{args.seed}-{i}-{kind}.bin")
             with open(path, "wb") as f:
@@ -651,7 +652,7 @@ def main(argv=None):
             time.sleep(0.05)
             now = time.monotonic()
             for job, st in list(running.items()):
-                p, start, end, last_i, last_t = st
+                p, _, end, last_i, last_t = st
                 cur = int(prog[job, 0])
                 if p.exitcode is not None:
                     harvest(job)
@@ -659,8 +660,8 @@ def main(argv=None):
                     if p.exitcode != 0:
                         kind, path = save(cur, "crash")
                         again = replay(ctx, opts, cur, args.hang)
-                        crashes.append(dict(case=cur, kind=kind, exit=p.exitcode, input=path,
-                                            replay=again))
+                        crashes.append({"case": cur, "kind": kind, "exit": p.exitcode, "input": path,
+                                            "replay": again})
                         print(f"  CRASH: case {cur} ({kind}) killed the child (exit status "
                               f"{p.exitcode}); input saved to {path}; replay: {again}",
                               flush=True)
@@ -675,7 +676,7 @@ def main(argv=None):
                     harvest(job)
                     del running[job]
                     kind, path = save(cur, "hang")
-                    hangs.append(dict(case=cur, kind=kind, input=path))
+                    hangs.append({"case": cur, "kind": kind, "input": path})
                     print(f"  HANG: case {cur} ({kind}) made no progress for {args.hang} s; "
                           f"input saved to {path}", flush=True)
                     if cur + 1 < end:
@@ -695,11 +696,11 @@ def main(argv=None):
             key = (fd_["where"], fd_["exc"], re.sub(r"\d+(\.\d+)?", "N", fd_["msg"])[:80])
             uniq.setdefault(key, []).append(fd_)
         total = int(counts[:, 0].sum())
-        res = dict(seed=args.seed, cases=total, elapsed_s=round(elapsed, 1),
-                   cases_per_s=round(total / elapsed, 1), crashes=crashes, hangs=hangs,
-                   findings=len(findings), unique_findings=len(uniq),
-                   per_kind={KINDS[k]: dict(zip(OUTCOMES, map(int, counts[k])))
-                             for k in range(len(KINDS))})
+        res = {"seed": args.seed, "cases": total, "elapsed_s": round(elapsed, 1),
+                   "cases_per_s": round(total / elapsed, 1), "crashes": crashes, "hangs": hangs,
+                   "findings": len(findings), "unique_findings": len(uniq),
+                   "per_kind": {KINDS[k]: dict(zip(OUTCOMES, map(int, counts[k])))
+                             for k in range(len(KINDS))}}
         res["attached"] = int(counts[:, OUTCOMES.index("attached")].sum())
         res["snapshots_ok"] = int(counts[:, OUTCOMES.index("snap_ok")].sum())
         res["ok"] = not crashes and not hangs and not findings and total == args.count
