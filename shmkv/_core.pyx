@@ -1839,10 +1839,11 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
             continue
         nb = min(q.nblocks, c.cfg.max_blocks_per_seq)
         ln = min(q.len, nb * c.cfg.block_size)
-        owner_slot = (q.owner & 0xffffffff) - 1 if q.owner else 0
         owner_pid = None
-        if q.owner and owner_slot < NP:
-            owner_pid = c.procs[owner_slot].pid
+        if q.owner & 0xffffffff:                 # slot half 0 names no slot (hostile)
+            owner_slot = (q.owner & 0xffffffff) - 1
+            if owner_slot < NP:
+                owner_pid = c.procs[owner_slot].pid
         d = dict(sid=<int64_t>q.gen * NS + s, slot=s, len=q.len, nblocks=q.nblocks,
                  owner_token=q.owner, owner_pid=owner_pid, detached=q.owner == 0,
                  owner_alive=alive_tokens.get(q.owner, False) if q.owner else None,
@@ -1956,3 +1957,91 @@ def bench_memcpy(uint64_t nbytes, uint64_t iters=1000, uint64_t span=0):
         r = shmkv_bench_memcpy(dst, src, nbytes, span, iters)
     free(src); free(dst)
     return r
+
+
+# --------------------------------------------------------------------------------------
+# the ABI, for tools that read raw segment bytes (fuzzers, debuggers): sizes and field
+# offsets straight from the C structs, so no Python constant can drift from _layout.h
+# --------------------------------------------------------------------------------------
+cdef dict _fields(const char *base, list spec):
+    cdef size_t b0 = <size_t>base
+    return {name: (addr - b0, fmt) for name, addr, fmt in spec}
+
+
+def struct_layout():
+    """Sizes and field offsets of the segment's C structs.
+
+    Returns a dict: ``header`` (offsets from the segment start), ``shared`` (offsets
+    from the segment start too), ``seq``, ``proc``, ``block``, ``index`` (offsets inside
+    one element), each ``{"size": bytes, "fields": {name: (offset, struct format)}}``;
+    array fields give the offset of element 0.  ``config`` and ``layout`` name the
+    header sub-structs' fields in order.
+    """
+    cdef shmkv_header_t h
+    cdef shmkv_shared_t sh
+    cdef shmkv_seq_t q
+    cdef shmkv_proc_t p
+    cdef shmkv_block_t b
+    cdef shmkv_index_t e
+    cdef const char *hb = <const char *>&h
+    cdef size_t shoff = SHMKV_SHARED_OFFSET
+    cfg_names = ["num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks",
+                 "max_seqs", "max_blocks_per_seq", "max_procs", "dtype", "itemsize",
+                 "hash_algo", "_reserved"]
+    lay_names = ["token_bytes", "block_bytes", "layer_stride", "index_capacity",
+                 "off_blocks", "off_free", "off_procs", "off_seqs", "off_seq_free",
+                 "off_tables", "off_tokens", "off_index", "off_kpool", "off_vpool",
+                 "segment_size"]
+    header = _fields(hb, [
+        ("magic", <size_t>&h.magic, "Q"), ("layout_version", <size_t>&h.layout_version, "I"),
+        ("header_size", <size_t>&h.header_size, "I"),
+        ("abi_fingerprint", <size_t>&h.abi_fingerprint, "Q"),
+        ("segment_size", <size_t>&h.segment_size, "Q"), ("config", <size_t>&h.config, "I"),
+        ("layout", <size_t>&h.layout, "Q"), ("creator_pid", <size_t>&h.creator_pid, "Q"),
+        ("create_time_ns", <size_t>&h.create_time_ns, "Q"),
+        ("hash_seed", <size_t>&h.hash_seed, "Q"), ("checksum", <size_t>&h.checksum, "Q")])
+    shared = {k: (v[0] + shoff, v[1]) for k, v in _fields(<const char *>&sh, [
+        ("state", <size_t>&sh.state, "I"), ("pool_lock", <size_t>&sh.pool_lock, "B"),
+        ("free_top", <size_t>&sh.free_top, "I"), ("cached_count", <size_t>&sh.cached_count, "I"),
+        ("lru_head", <size_t>&sh.lru_head, "I"), ("lru_tail", <size_t>&sh.lru_tail, "I"),
+        ("seq_free_top", <size_t>&sh.seq_free_top, "I"), ("num_seqs", <size_t>&sh.num_seqs, "I"),
+        ("num_procs", <size_t>&sh.num_procs, "I"), ("peak_used", <size_t>&sh.peak_used, "I"),
+        ("index_used", <size_t>&sh.index_used, "I"), ("index_tombs", <size_t>&sh.index_tombs, "I"),
+        ("lru_clock", <size_t>&sh.lru_clock, "Q"),
+        ("last_recovery_ns", <size_t>&sh.last_recovery_ns, "Q"),
+        ("max_recovery_ns", <size_t>&sh.max_recovery_ns, "Q"),
+        ("counters", <size_t>&sh.counters[0], "Q")]).items()}
+    seq = _fields(<const char *>&q, [
+        ("state", <size_t>&q.state, "I"), ("gen", <size_t>&q.gen, "I"),
+        ("owner", <size_t>&q.owner, "Q"), ("writer", <size_t>&q.writer, "Q"),
+        ("len", <size_t>&q.len, "I"), ("nblocks", <size_t>&q.nblocks, "I"),
+        ("hashed", <size_t>&q.hashed, "I"), ("priority", <size_t>&q.priority, "I"),
+        ("last_access_ns", <size_t>&q.last_access_ns, "Q"),
+        ("access_count", <size_t>&q.access_count, "Q"), ("created_ns", <size_t>&q.created_ns, "Q"),
+        ("flags", <size_t>&q.flags, "I"), ("hash_ready", <size_t>&q.hash_ready, "I"),
+        ("salt", <size_t>&q.salt[0], "Q"), ("trimmed", <size_t>&q.trimmed, "I"),
+        ("trim_s", <size_t>&q.trim_s, "I"), ("trim_d", <size_t>&q.trim_d, "I"),
+        ("trim_k", <size_t>&q.trim_k, "I"), ("trim_chunk", <size_t>&q.trim_chunk, "I"),
+        ("trim_len", <size_t>&q.trim_len, "I")])
+    proc = _fields(<const char *>&p, [
+        ("state", <size_t>&p.state, "I"), ("gen", <size_t>&p.gen, "I"),
+        ("pid", <size_t>&p.pid, "Q"), ("pid_start", <size_t>&p.pid_start, "Q"),
+        ("attach_time_ns", <size_t>&p.attach_time_ns, "Q"),
+        ("inflight", <size_t>&p.inflight[0], "I"), ("counters", <size_t>&p.counters[0], "Q")])
+    block = _fields(<const char *>&b, [
+        ("ref_cnt", <size_t>&b.ref_cnt, "I"), ("flags", <size_t>&b.flags, "I"),
+        ("lru_prev", <size_t>&b.lru_prev, "I"), ("lru_next", <size_t>&b.lru_next, "I"),
+        ("hash", <size_t>&b.hash[0], "Q"), ("last_access", <size_t>&b.last_access, "Q"),
+        ("num_tokens", <size_t>&b.num_tokens, "I")])
+    index = _fields(<const char *>&e, [
+        ("hash", <size_t>&e.hash[0], "Q"), ("block", <size_t>&e.block, "I")])
+    return dict(
+        header=dict(size=sizeof(shmkv_header_t), fields=header),
+        shared=dict(size=sizeof(shmkv_shared_t), fields=shared,
+                    pool_lock_size=sizeof(sh.pool_lock), counters=32),
+        seq=dict(size=sizeof(shmkv_seq_t), fields=seq),
+        proc=dict(size=sizeof(shmkv_proc_t), fields=proc, inflight=SHMKV_INFLIGHT_PER_PROC,
+                  counters=4),
+        block=dict(size=sizeof(shmkv_block_t), fields=block),
+        index=dict(size=sizeof(shmkv_index_t), fields=index),
+        config=cfg_names, layout=lay_names)

@@ -377,10 +377,10 @@ static int shmkv_seq_lock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot) {
                 st = shmkv_recover_locked(c, &r);    /* clears the lock, frees in-flight */
                 shmkv_pool_unlock(c);
                 if (st != SHMKV_OK) return st;
-                continue;
+                /* no `continue`: the bound holds even if the holder's lock survived */
             }
         }
-        if (now - t0 > c->timeout_ns) return SHMKV_ETIMEDOUT;
+        if (shmkv_now_ns(CLOCK_MONOTONIC) - t0 > c->timeout_ns) return SHMKV_ETIMEDOUT;
     }
 }
 

@@ -54,8 +54,11 @@ cdef extern from "_layout.h" nogil:
         shmkv_layout_t layout
         uint64_t creator_pid, create_time_ns, hash_seed, checksum
 
+    ctypedef struct pthread_mutex_t:
+        pass
     ctypedef struct shmkv_shared_t:
         uint32_t state
+        pthread_mutex_t pool_lock
         uint32_t free_top, cached_count, lru_head, lru_tail, seq_free_top
         uint32_t num_seqs, num_procs, peak_used, index_used, index_tombs
         uint64_t lru_clock, last_recovery_ns, max_recovery_ns

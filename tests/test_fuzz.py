@@ -89,7 +89,9 @@ def test_snapshot_survives_owner_token_with_slot_zero(make_cache):
     sid = cache.create_sequence()
     a = np.ones((1, 2, 1, 4), cfg.numpy_dtype)
     cache.append(sid, a, a)
-    off = _core.layout_of(cfg)["off_seqs"] + 64 * (sid % cfg.max_seqs) + 8   # seq.owner
+    seq = _core.struct_layout()["seq"]
+    off = (_core.layout_of(cfg)["off_seqs"] + seq["size"] * (sid % cfg.max_seqs)
+           + seq["fields"]["owner"][0])
     with open(os.path.join("/dev/shm", cache.name.lstrip("/")), "r+b") as f:
         f.seek(off)
         f.write(struct.pack("<Q", 1 << 32))
@@ -109,7 +111,9 @@ def test_gather_rejects_a_corrupt_length_before_allocating(make_cache):
     sid = cache.create_sequence()
     a = np.ones((2, 2, 1, 4), cfg.numpy_dtype)
     cache.append(sid, a, a)
-    off = _core.layout_of(cfg)["off_seqs"] + 64 * (sid % cfg.max_seqs) + 24   # seq.len
+    seq = _core.struct_layout()["seq"]
+    off = (_core.layout_of(cfg)["off_seqs"] + seq["size"] * (sid % cfg.max_seqs)
+           + seq["fields"]["len"][0])
     with open(os.path.join("/dev/shm", cache.name.lstrip("/")), "r+b") as f:
         f.seek(off)
         f.write(struct.pack("<I", 0xFFFFFFF0))

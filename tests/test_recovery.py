@@ -182,15 +182,16 @@ def test_lock_timeout_when_a_live_holder_keeps_a_sequence(cache):
     # hold the sequence lock as this process would, from outside the API
     info = cache._debug_info()
     lay = info["layout"]
-    seqs = np.ndarray((cache.config.max_seqs, 16), np.uint64,
-                      buffer=_raw(cache), offset=lay["off_seqs"])
-    seqs[slot, 2] = info["proc_token"]                   # writer word
+    seq = _core.struct_layout()["seq"]
+    writer = np.ndarray((1,), np.uint64, buffer=_raw(cache),
+                        offset=lay["off_seqs"] + seq["size"] * slot + seq["fields"]["writer"][0])
+    writer[0] = info["proc_token"]                       # the sequence lock word
     cache.lock_timeout = 0.3
     t0 = time.monotonic()
     with pytest.raises(shmkv.LockTimeout):
         cache.append(sid, tokens(cache.config, 1, 1), tokens(cache.config, 1, 1))
     assert 0.25 < time.monotonic() - t0 < 5
-    seqs[slot, 2] = 0
+    writer[0] = 0
     cache.free(sid)
     assert cache.check() == []
 

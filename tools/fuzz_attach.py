@@ -58,18 +58,44 @@ if TOOLS_DIR not in sys.path:
     sys.path.insert(0, TOOLS_DIR)
 
 PAGE = 4096
-# ---- what the fuzzer knows of the layout (checked against a real segment at start) -----
-HDR_CHECKSUM = 216          # offsetof(shmkv_header_t, checksum)
-HDR_CONFIG = 32             # 12 x u32
-HDR_LAYOUT = 80             # 14 x u64
-HDR_FIELDS = ([(0, "Q"), (8, "I"), (12, "I"), (16, "Q"), (24, "Q")]
-              + [(HDR_CONFIG + 4 * i, "I") for i in range(12)]
-              + [(HDR_LAYOUT + 8 * i, "Q") for i in range(14)]
-              + [(192, "Q"), (200, "Q"), (208, "Q")])
-SH_STATE = 512
-SH_MUTEX = (576, 616)       # pthread_mutex_t pool_lock
-SH_FIELDS = [(640 + 4 * i, "I") for i in range(10)] + [(680, "Q"), (688, "Q"), (696, "Q")]
-SH_COUNTERS = 712
+# ---- what the fuzzer knows of the layout: all of it from the C structs themselves -----
+_ABI = _core.struct_layout()
+_H, _S = _ABI["header"]["fields"], _ABI["shared"]["fields"]
+
+
+def _flat(fields, counts=None):
+    """[(offset, fmt)] of every field; array fields expanded to `counts[name]` elements."""
+    out = []
+    for name, (off, fmt) in fields.items():
+        n = (counts or {}).get(name, 1)
+        out += [(off + struct.calcsize(fmt) * i, fmt) for i in range(n)]
+    return out
+
+
+HDR_CHECKSUM = _H["checksum"][0]
+HDR_CONFIG = _H["config"][0]                       # len(_ABI["config"]) x u32
+HDR_LAYOUT = _H["layout"][0]                       # N_LAYOUT x u64
+N_LAYOUT = len(_ABI["layout"])
+HDR_SEGSIZE = _H["segment_size"][0]
+HDR_VOLATILE = _H["creator_pid"][0]                # creator pid, time, hash seed (3 x u64)
+HDR_FIELDS = ([_H[k] for k in ("magic", "layout_version", "header_size", "abi_fingerprint",
+                               "segment_size")]
+              + [(HDR_CONFIG + 4 * i, "I") for i in range(len(_ABI["config"]))]
+              + [(HDR_LAYOUT + 8 * i, "Q") for i in range(N_LAYOUT)]
+              + [_H[k] for k in ("creator_pid", "create_time_ns", "hash_seed")])
+SH_STATE = _S["state"][0]
+SH_MUTEX = (_S["pool_lock"][0], _S["pool_lock"][0] + _ABI["shared"]["pool_lock_size"])
+SH_FIELDS = [v for k, v in _S.items() if k not in ("state", "pool_lock", "counters")]
+SH_RECOVERY_NS = _S["last_recovery_ns"][0]         # last, max (2 x u64)
+SH_COUNTERS = _S["counters"][0]
+SEQ_SIZE, PROC_SIZE = _ABI["seq"]["size"], _ABI["proc"]["size"]
+BLOCK_SIZE, INDEX_SIZE = _ABI["block"]["size"], _ABI["index"]["size"]
+SEQ_F, PROC_F = _ABI["seq"]["fields"], _ABI["proc"]["fields"]
+SEQ_FIELDS = _flat(SEQ_F, {"salt": 2})
+PROC_FIELDS = _flat(PROC_F, {"inflight": _ABI["proc"]["inflight"],
+                             "counters": _ABI["proc"]["counters"]})
+BLOCK_FIELDS = _flat(_ABI["block"]["fields"], {"hash": 2})
+INDEX_FIELDS = _flat(_ABI["index"]["fields"], {"hash": 2})
 STATE_READY, STATE_INIT = 0x52454459, 0x494E4954
 SEQ_FIELDS = [(0, "I"), (4, "I"), (8, "Q"), (16, "Q"), (24, "I"), (28, "I"), (32, "I"),
               (36, "I"), (40, "Q"), (48, "Q"), (56, "Q")]
@@ -182,7 +208,7 @@ def make_templates(tag):
     assert struct.unpack_from("<I", t, SH_STATE)[0] == STATE_READY, "state moved"
     assert fnv1a(t[:HDR_CHECKSUM]) == struct.unpack_from("<Q", t, HDR_CHECKSUM)[0], \
         "header checksum moved"
-    assert struct.unpack_from("<14Q", t, HDR_LAYOUT)[4] == meta["layout"]["off_blocks"], \
+    assert struct.unpack_from(f"<{N_LAYOUT}Q", t, HDR_LAYOUT)[4] == meta["layout"]["off_blocks"], \
         "header layout moved"
     assert struct.unpack_from("<I", t, HDR_CONFIG + 16)[0] == meta["config"]["num_blocks"], \
         "header config moved"
@@ -193,18 +219,18 @@ def canonical(b, cfg, lay):
     """Overwrite what differs from run to run (pids, clocks, the random hash seed, the
     mutex's robust-list pointers) so a case's bytes depend only on (--seed, index)."""
     buf = bytearray(b)
-    struct.pack_into("<QQQ", buf, 192, 4242, 1_700_000_000_000_000_000, 0x5EED5EED5EED5EED)
-    struct.pack_into("<QQ", buf, 688, 0, 0)                   # last/max recovery ns
+    struct.pack_into("<QQQ", buf, HDR_VOLATILE, 4242, 1_700_000_000_000_000_000, 0x5EED5EED5EED5EED)
+    struct.pack_into("<QQ", buf, SH_RECOVERY_NS, 0, 0)                   # last/max recovery ns
     lo, _ = SH_MUTEX
     struct.pack_into("<QQ", buf, lo + 24, 0, 0)               # __list.prev/next (unlocked)
     for p in range(cfg.max_procs):
-        o = lay["off_procs"] + 64 * p
-        if struct.unpack_from("<Q", buf, o + 8)[0]:              # ever used
-            struct.pack_into("<QQQ", buf, o + 8, 4242, 777, 1_700_000_000_000_000_000)
+        o = lay["off_procs"] + PROC_SIZE * p + PROC_F["pid"][0]
+        if struct.unpack_from("<Q", buf, o)[0]:                  # ever used
+            struct.pack_into("<QQQ", buf, o, 4242, 777, 1_700_000_000_000_000_000)
     for q in range(cfg.max_seqs):
-        o = lay["off_seqs"] + 64 * q
-        struct.pack_into("<Q", buf, o + 40, 1_700_000_000_000_000_000)
-        struct.pack_into("<Q", buf, o + 56, 1_700_000_000_000_000_000)
+        o = lay["off_seqs"] + SEQ_SIZE * q
+        struct.pack_into("<Q", buf, o + SEQ_F["last_access_ns"][0], 1_700_000_000_000_000_000)
+        struct.pack_into("<Q", buf, o + SEQ_F["created_ns"][0], 1_700_000_000_000_000_000)
     resum(buf)
     return bytes(buf)
 
@@ -231,20 +257,20 @@ def make_case(templates, seed, i):
     def region():
         r = rng.randrange(9)
         if r == 0:
-            return lay["off_blocks"], lay["off_free"] - lay["off_blocks"], 48, BLOCK_FIELDS
+            return lay["off_blocks"], lay["off_free"] - lay["off_blocks"], BLOCK_SIZE, BLOCK_FIELDS
         if r == 1:
             return lay["off_free"], nb * 4, 4, [(0, "I")]
         if r == 2:
-            return lay["off_procs"], npr * 64, 64, PROC_FIELDS
+            return lay["off_procs"], npr * PROC_SIZE, PROC_SIZE, PROC_FIELDS
         if r == 3:
-            return lay["off_seqs"], ns * 64, 64, SEQ_FIELDS
+            return lay["off_seqs"], ns * SEQ_SIZE, SEQ_SIZE, SEQ_FIELDS
         if r == 4:
             return lay["off_seq_free"], ns * 4, 4, [(0, "I")]
         if r == 5:
             w = lay["off_index"] - lay["off_tables"]
             return lay["off_tables"], w, 4, [(0, "I")]
         if r == 6:
-            return lay["off_index"], lay["index_capacity"] * 24, 24, INDEX_FIELDS
+            return lay["off_index"], lay["index_capacity"] * INDEX_SIZE, INDEX_SIZE, INDEX_FIELDS
         if r == 7:
             return SH_FIELDS[0][0], 0, 0, SH_FIELDS
         return SH_COUNTERS, 32 * 8, 8, [(0, "Q")]
@@ -289,11 +315,9 @@ def make_case(templates, seed, i):
             raw[6] = newcfg.max_blocks_per_seq
             raw[7] = newcfg.max_procs
             struct.pack_into("<12I", buf, HDR_CONFIG, *raw)
-            keys = ("token_bytes", "block_bytes", "layer_stride", "index_capacity",
-                    "off_blocks", "off_free", "off_procs", "off_seqs", "off_seq_free",
-                    "off_tables", "off_index", "off_kpool", "off_vpool", "segment_size")
-            struct.pack_into("<14Q", buf, HDR_LAYOUT, *(nl[k] for k in keys))
-            struct.pack_into("<Q", buf, 24, nl["segment_size"])
+            keys = _ABI["layout"]
+            struct.pack_into(f"<{N_LAYOUT}Q", buf, HDR_LAYOUT, *(nl[k] for k in keys))
+            struct.pack_into("<Q", buf, HDR_SEGSIZE, nl["segment_size"])
             size = nl["segment_size"]
             if len(buf) < size:
                 fill = rng.choice((b"\0", b"\xff", None))
@@ -344,8 +368,8 @@ def make_case(templates, seed, i):
         # a LIVE sequence that looks plausible: tables, length and owner that recovery
         # and gather will believe (or must reject)
         s = rng.randrange(ns)
-        q = lay["off_seqs"] + 64 * s
-        mbps = struct.unpack_from("<I", buf, HDR_CONFIG + 24)[0]
+        q = lay["off_seqs"] + SEQ_SIZE * s
+        mbps = struct.unpack_from("<I", buf, HDR_CONFIG + 4 * _ABI["config"].index("max_blocks_per_seq"))[0]
         nbl = rng.randint(0, min(mbps, 8))
         struct.pack_into("<IIQQIIII", buf, q, 2, rng.randint(1, 5),
                          rng.choice((0, 0, (1 << 32) | 1, rng.getrandbits(64))),
@@ -359,7 +383,7 @@ def make_case(templates, seed, i):
             b = rng.choice((rng.randrange(nb), rng.randrange(nb), nb, -1, 0x7FFFFFFF))
             struct.pack_into("<i", buf, t + 4 * j, b)
         if rng.random() < 0.5:
-            mutate_field(lay["off_blocks"] + 48 * rng.randrange(nb), BLOCK_FIELDS)
+            mutate_field(lay["off_blocks"] + BLOCK_SIZE * rng.randrange(nb), BLOCK_FIELDS)
         if rng.random() < 0.3:
             mutate_field(0, SH_FIELDS)
     elif kind == "size":
@@ -371,7 +395,7 @@ def make_case(templates, seed, i):
             buf += b"\0" * n
         else:
             # header says a different size, consistently checksummed
-            struct.pack_into("<Q", buf, 24, interesting(rng, "Q", extra))
+            struct.pack_into("<Q", buf, HDR_SEGSIZE, interesting(rng, "Q", extra))
             resum(buf)
     elif kind == "state":
         struct.pack_into("<I", buf, SH_STATE, rng.choice(
