@@ -52,7 +52,8 @@ fuzz: install
 lint: $(DEPS)
 	$(PIP) install -q ruff
 	$(VENV)/bin/ruff check shmkv tests benchmarks tools
-	$(VENV)/bin/cython -X language_level=3 -Werror -Wextra --no-docstrings -I shmkv -o /tmp/shmkv-lint.c shmkv/_core.pyx
+	$(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I shmkv -o /tmp/shmkv-lint.c shmkv/_core.pyx 2>&1 | tee /tmp/shmkv-lint.log
+	! grep -qiE 'warning|performance hint' /tmp/shmkv-lint.log
 
 # The whole suite against a debug build: C asserts, SHMKV_DEBUG blocks, bounds checks.
 debug: $(DEPS)

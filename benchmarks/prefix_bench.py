@@ -77,7 +77,7 @@ def worker(seg_name, wid, n_requests, decode, seed, q):
         t_lookup = 0.0
         per = []
         t0 = time.perf_counter()
-        for r in range(n_requests):
+        for _ in range(n_requests):
             si = int(rng.integers(N_SYSTEM))
             user = rng.integers(0, VOCAB, int(rng.integers(64, 257))).astype(np.int32)
             prompt = np.concatenate([sysp[si], user])

@@ -1,8 +1,7 @@
 """shmkv: a paged KV cache for LLM inference in one POSIX shared-memory segment."""
-from .config import CacheConfig
-from .errors import (CacheFullError, LockTimeout, SegmentError, SequenceNotFound,
-                     ShmkvError)
 from .cache import KVCache
+from .config import CacheConfig
+from .errors import CacheFullError, LockTimeout, SegmentError, SequenceNotFound, ShmkvError
 
 __version__ = "0.1.0"
 

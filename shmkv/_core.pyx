@@ -892,7 +892,7 @@ cdef class Segment:
             met, every candidate is evicted.
         """
         cdef shmkv_ctx_t *c = self._c()
-        cdef uint32_t s, nfree
+        cdef uint32_t s
         cdef shmkv_seq_t *q
         cdef uint64_t me = c.proc_token
         if policy not in _POLICIES:
@@ -1078,7 +1078,6 @@ cdef class Segment:
         cdef uint64_t n = <uint64_t>cnp.PyArray_DIMS(ka)[1]
         cdef uint32_t slot
         cdef shmkv_grow_plan_t pl
-        cdef int st
         cdef uint8_t *kb = <uint8_t *>cnp.PyArray_DATA(ka)
         cdef uint8_t *vb = <uint8_t *>cnp.PyArray_DATA(va)
         cdef cnp.ndarray ids = None if tokens is None else _as_ids(tokens, n)
@@ -1141,7 +1140,6 @@ cdef class Segment:
         cdef uint64_t nn = <uint64_t>n
         cdef uint32_t slot
         cdef shmkv_grow_plan_t pl
-        cdef int st
         cdef cnp.npy_intp dims[1]
         dims[0] = <cnp.npy_intp>nn
         cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
@@ -1609,7 +1607,6 @@ cdef list _check_locked(shmkv_ctx_t *c):
     """All invariants; the pool lock is held.  Bounded work, bounded output."""
     cdef list bad = []
     cdef uint32_t NB = c.cfg.num_blocks, NS = c.cfg.max_seqs, NP = c.cfg.max_procs
-    cdef uint32_t bs = c.cfg.block_size
     cdef uint32_t i, j, b, s, nb, ln, want, top, cc, live = 0, nfree_slots, nprocs = 0
     cdef uint64_t tok
     cdef uint32_t *cnt = <uint32_t *>malloc(sizeof(uint32_t) * NB + 4)
@@ -1805,7 +1802,7 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
     c.lock_fd = fd
     cdef shmkv_shared_t *sh = c.sh
     cdef uint32_t NB = c.cfg.num_blocks, NS = c.cfg.max_seqs, NP = c.cfg.max_procs
-    cdef uint32_t s, b, nb, ln, j
+    cdef uint32_t s, b, nb
     cdef uint64_t tok, owner_slot
     cdef shmkv_seq_t q
     cdef shmkv_proc_t p

@@ -84,7 +84,7 @@ def _worker(name: str, wid: int, duration: float, seed: int, prompt_max: int,
                             break
             # one decode step: every live sequence gains a token
             survivors = []
-            for i, (sid, left) in enumerate(live):
+            for sid, left in live:
                 try:
                     if step % 2:
                         cache.append(sid, tok, tok)
@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     name = f"shmkv-demo-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tty = sys.stdout.isatty()
     print(f"shmkv demo: segment /{name}: {L} layers x {H} KV heads x {D} dims, fp16, "
-          f"{cfg.num_blocks} blocks x {bs} tokens ({_fmt_bytes(cfg.num_blocks * cfg.bytes_per_block)} "
+          f"{cfg.num_blocks} blocks x {bs} tokens "
+          f"({_fmt_bytes(cfg.num_blocks * cfg.bytes_per_block)} "
           f"pool); {args.workers} workers for {args.duration:g} s", flush=True)
     cache = KVCache.create(name, cfg)
     ctx = mp.get_context("spawn")

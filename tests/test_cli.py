@@ -22,9 +22,9 @@ import uuid
 import cli_workers
 import numpy as np
 import pytest
-import shmkv._core as core
 
 import shmkv
+import shmkv._core as core
 from shmkv import cli
 
 SPAWN = mp.get_context("spawn")

@@ -137,7 +137,7 @@ def test_beam_search_many_forks(seqs):
     shared = seqs.table(prompt)
     beams = [seqs.fork(prompt) for _ in range(4)]
     cows = seqs.cows()
-    for step in range(5):
+    for _ in range(5):
         for b in beams:
             seqs.append(b, 1)
         seqs.verify()

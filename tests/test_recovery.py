@@ -4,11 +4,11 @@ import os
 
 import numpy as np
 import pytest
+from conftest import SMALL, _unlink, unique_name
+from recovery_workers import tokens
 
 import shmkv
 import shmkv._core as _core
-from conftest import SMALL, unique_name, _unlink
-from recovery_workers import tokens
 
 ctx = mp.get_context("spawn")
 

@@ -322,7 +322,8 @@ def make_case(templates, seed, i):
             if len(buf) < size:
                 fill = rng.choice((b"\0", b"\xff", None))
                 pad = size - len(buf)
-                buf += (fill * pad) if fill else bytearray(rng.getrandbits(8 * pad).to_bytes(pad, "little"))
+                buf += (fill * pad) if fill else bytearray(
+                    rng.getrandbits(8 * pad).to_bytes(pad, "little"))
             else:
                 del buf[size:]
             if rng.random() < 0.3:
@@ -369,7 +370,8 @@ def make_case(templates, seed, i):
         # and gather will believe (or must reject)
         s = rng.randrange(ns)
         q = lay["off_seqs"] + SEQ_SIZE * s
-        mbps = struct.unpack_from("<I", buf, HDR_CONFIG + 4 * _ABI["config"].index("max_blocks_per_seq"))[0]
+        mbps_off = HDR_CONFIG + 4 * _ABI["config"].index("max_blocks_per_seq")
+        mbps = struct.unpack_from("<I", buf, mbps_off)[0]
         nbl = rng.randint(0, min(mbps, 8))
         struct.pack_into("<IIQQIIII", buf, q, 2, rng.randint(1, 5),
                          rng.choice((0, 0, (1 << 32) | 1, rng.getrandbits(64))),
@@ -684,8 +686,8 @@ def main(argv=None):
                     if p.exitcode != 0:
                         kind, path = save(cur, "crash")
                         again = replay(ctx, opts, cur, args.hang)
-                        crashes.append({"case": cur, "kind": kind, "exit": p.exitcode, "input": path,
-                                            "replay": again})
+                        crashes.append({"case": cur, "kind": kind, "exit": p.exitcode,
+                                        "input": path, "replay": again})
                         print(f"  CRASH: case {cur} ({kind}) killed the child (exit status "
                               f"{p.exitcode}); input saved to {path}; replay: {again}",
                               flush=True)
@@ -706,8 +708,9 @@ def main(argv=None):
                     if cur + 1 < end:
                         todo.append((cur + 1, end))
             if now >= next_report:
-                done = int(counts[:, 0].sum() + sum(prog[j, 2:].reshape(len(KINDS), len(OUTCOMES))[:, 0].sum()
-                                                     for j in running))
+                live = sum(prog[j, 2:].reshape(len(KINDS), len(OUTCOMES))[:, 0].sum()
+                           for j in running)
+                done = int(counts[:, 0].sum() + live)
                 print(f"  [{now - t0:6.1f}s] {done} cases", flush=True)
                 next_report = now + 10
         elapsed = time.monotonic() - t0
