@@ -99,5 +99,6 @@ cdef extern from "_kernels.h" nogil:
     int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid_start)
     void shmkv_proc_unregister_locked(shmkv_ctx_t *c)
     int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r)
+    int shmkv_any_dead_locked(shmkv_ctx_t *c)
     uint32_t shmkv_index_find_locked(shmkv_ctx_t *c, const uint64_t *h)
     int shmkv_index_insert_locked(shmkv_ctx_t *c, const uint64_t *h, uint32_t b)

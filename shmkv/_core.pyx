@@ -665,7 +665,9 @@ cdef class Segment:
             st = shmkv_seq_grow_locked(c, slot, pl, &target)
             if st == SHMKV_EFULL:
                 # recovery before raising CacheFullError: dead processes' blocks return
-                if shmkv_recover_locked(c, &r) == SHMKV_OK and (r.blocks or r.sequences):
+                # (a full pass only when someone is dead: a saturated pool stays cheap)
+                if (shmkv_any_dead_locked(c) and shmkv_recover_locked(c, &r) == SHMKV_OK
+                        and (r.blocks or r.sequences)):
                     st = shmkv_seq_plan(c, slot, n, pl)
                     if st == SHMKV_OK:
                         st = shmkv_seq_grow_locked(c, slot, pl, &target)
@@ -747,7 +749,8 @@ cdef class Segment:
                 hashes = self._chain(ids, nfull, sd)
         _pool_lock(c)
         st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
-        if st == SHMKV_ESEQFULL and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences:
+        if (st == SHMKV_ESEQFULL and shmkv_any_dead_locked(c)
+                and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences):
             st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
         if st == SHMKV_OK:
             slot = <uint32_t>(sid % c.cfg.max_seqs)
@@ -1044,7 +1047,8 @@ cdef class Segment:
         cdef shmkv_recovery_t r
         _pool_lock(c)
         st = shmkv_seq_fork_locked(c, s, &child)
-        if st == SHMKV_ESEQFULL and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences:
+        if (st == SHMKV_ESEQFULL and shmkv_any_dead_locked(c)
+                and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences):
             st = shmkv_seq_fork_locked(c, s, &child)
         shmkv_pool_unlock(c)
         if st != SHMKV_OK:

@@ -1078,6 +1078,18 @@ static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
 }
 
 /* ---- recovery ----------------------------------------------------------------------------- */
+/* Is any attached process dead?  O(max_procs) liveness probes, no writes: the cheap test
+ * that decides whether a full recovery pass is worth running before CacheFullError. */
+static int shmkv_any_dead_locked(shmkv_ctx_t *c) {
+    for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
+        shmkv_proc_t *p = &c->procs[s];
+        if (p->state == SHMKV_PROC_FREE) continue;
+        uint64_t tok = ((uint64_t)p->gen << 32) | (uint64_t)(s + 1);
+        if (p->state != SHMKV_PROC_ACTIVE || !shmkv_proc_alive(c, tok)) return 1;
+    }
+    return 0;
+}
+
 /* Rebuilds every piece of derived state from the truth (the LIVE sequences' tables and
  * the in-flight records of live processes):
  *   1. process slots whose holder is dead are released;

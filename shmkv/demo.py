@@ -1,17 +1,21 @@
 """shmkv demo: simulated inference traffic from several worker processes on one cache.
 
-Each worker plays an inference engine: requests arrive, their prompts are prefilled in
-chunks, then every live sequence gains one token per decode step; some requests fork
-into beams (copy-on-write); finished requests are freed.  When the pool runs out, the
-oldest request is preempted (freed), as vLLM's scheduler would.  The parent shows
-progress, then throughput, peak blocks, COW copies and the result of ``check()``, and
-unlinks its segment.
+Each worker plays an inference engine: requests arrive (a shared system prompt plus a
+user part, so prompts prefilled by any worker are prefix-cache hits for all), the rest
+of each prompt is prefilled in chunks, then every live sequence gains one token per
+decode step; some requests fork into beams (copy-on-write); finished requests are freed.
+When the pool runs out, the oldest request is preempted (freed), as vLLM's scheduler
+would.  One extra worker is SIGKILLed halfway through, holding sequences and blocks:
+recovery reclaims them.  The parent shows progress, then throughput, prefix hits, peak
+blocks, COW copies, what recovery reclaimed and the result of ``check()``, and unlinks
+its segment.
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import uuid
@@ -31,9 +35,12 @@ PRESETS = {
 
 
 def _worker(name: str, wid: int, duration: float, seed: int, prompt_max: int,
-            gen_max: int, concurrency: int, beam_every: int, q) -> None:
+            gen_max: int, concurrency: int, beam_every: int, q, n_system: int = 8) -> None:
     """One simulated engine; reports its counts on q at the end (and every second)."""
     rng = np.random.default_rng(seed)
+    shared = np.random.default_rng(12345)           # the same system prompts everywhere
+    system = [shared.integers(0, 32000, int(shared.integers(128, 384)))
+              for _ in range(n_system)]
     cache = KVCache.attach(name)
     try:
         cfg = cache.config
@@ -44,7 +51,7 @@ def _worker(name: str, wid: int, duration: float, seed: int, prompt_max: int,
         tok = rng.standard_normal((L, 1, H, D)).astype(dt)
         live = []            # [sid, tokens still to generate]
         counts = dict(prefill_tokens=0, decode_tokens=0, requests=0, finished=0, forks=0,
-                      preempted=0, bytes=0, gathers=0)
+                      preempted=0, bytes=0, gathers=0, prefix_hit_tokens=0)
         t_start = time.monotonic()
         q.put(("start", wid, t_start))
         t_end = t_start + duration
@@ -54,16 +61,21 @@ def _worker(name: str, wid: int, duration: float, seed: int, prompt_max: int,
             step += 1
             # admit new requests up to the concurrency target
             while len(live) < concurrency:
+                user = rng.integers(0, 32000, int(rng.integers(16, prompt_max + 1)))
+                ids = (np.concatenate([system[int(rng.integers(len(system)))], user])
+                       if len(system) else user)
                 try:
-                    sid = cache.create_sequence()
+                    sid = cache.create_sequence(tokens=ids)   # shares any cached prefix
                 except CacheFullError:
                     break
-                n = int(rng.integers(16, prompt_max + 1))
+                n = len(ids)
+                hit = cache.seq_len(sid)
+                counts["prefix_hit_tokens"] += hit
                 try:
-                    done = 0
+                    done = hit
                     while done < n:
                         m = min(chunk, n - done)
-                        cache.append(sid, pre[:, :m], pre[:, :m])
+                        cache.append(sid, pre[:, :m], pre[:, :m], tokens=ids[done:done + m])
                         done += m
                 except CacheFullError:
                     cache.free(sid)
@@ -71,8 +83,8 @@ def _worker(name: str, wid: int, duration: float, seed: int, prompt_max: int,
                         cache.free(live.pop(0)[0])
                         counts["preempted"] += 1
                     break
-                counts["prefill_tokens"] += n
-                counts["bytes"] += n * cfg.bytes_per_token
+                counts["prefill_tokens"] += n - hit
+                counts["bytes"] += (n - hit) * cfg.bytes_per_token
                 counts["requests"] += 1
                 live.append([sid, int(rng.integers(8, gen_max + 1))])
                 if beam_every and counts["requests"] % beam_every == 0:
@@ -86,12 +98,14 @@ def _worker(name: str, wid: int, duration: float, seed: int, prompt_max: int,
             survivors = []
             for sid, left in live:
                 try:
+                    t_id = rng.integers(0, 32000, 1)
                     if step % 2:
-                        cache.append(sid, tok, tok)
-                    else:                                 # vLLM flow: reserve, then write
-                        slots = cache.reserve(sid, 1)
+                        cache.append(sid, tok, tok, tokens=t_id)
+                    else:                                 # vLLM flow: reserve, write, commit
+                        slots = cache.reserve(sid, 1, tokens=t_id)
                         for layer in range(L):
                             cache.write(layer, slots, tok[layer], tok[layer])
+                        cache.commit(sid)
                 except CacheFullError:
                     cache.free(sid)                        # preempted
                     counts["preempted"] += 1
@@ -146,6 +160,11 @@ def build_parser(prog: str = "shmkv demo") -> argparse.ArgumentParser:
     p.add_argument("--gen-max", type=int, default=128, help="longest generation (default 128)")
     p.add_argument("--beam-every", type=int, default=5,
                    help="every Nth request forks into beams (0: never; default 5)")
+    p.add_argument("--system-prompts", type=int, default=8,
+                   help="shared system prompts requests start with (prefix-cache hits "
+                        "across workers; 0: none; default 8)")
+    p.add_argument("--no-kill", action="store_true",
+                   help="do not run the extra worker that is SIGKILLed halfway through")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -168,23 +187,42 @@ def main(argv=None) -> int:
     cache = KVCache.create(name, cfg)
     ctx = mp.get_context("spawn")
     workers = []
+    victim = None
     try:
         q = ctx.Queue()
         for w in range(args.workers):
             p = ctx.Process(target=_worker, name=f"shmkv-demo-worker-{w}",
                             args=(name, w, args.duration, args.seed + w, args.prompt_max,
-                                  args.gen_max, args.concurrency, args.beam_every, q))
+                                  args.gen_max, args.concurrency, args.beam_every, q,
+                                  args.system_prompts))
             p.start()
             workers.append(p)
+        if not args.no_kill:      # an extra engine that dies mid-run, holding blocks
+            victim_q = ctx.Queue()     # kept referenced: the child unpickles it later
+            victim = ctx.Process(target=_worker, name="shmkv-demo-victim",
+                                 args=(name, -1, args.duration, args.seed + 999,
+                                       args.prompt_max, args.gen_max, 4, 0, victim_q,
+                                       args.system_prompts))
+            victim.start()
+        kill_at = None
         t0 = time.monotonic()
         latest, done = {}, {}
         peak_used = 0
         deadline = t0 + args.duration + 60
         next_line = 0.0
         while len(done) < len(workers) and time.monotonic() < deadline:
+            if victim is not None and kill_at is not None and time.monotonic() >= kill_at \
+                    and victim.is_alive():
+                os.kill(victim.pid, signal.SIGKILL)          # mid-decode, blocks held
+                victim.join(timeout=10)
+                held = sum(1 for x in cache.sequences() if cache.owner_pid(x) == victim.pid)
+                print(f"  [{time.monotonic() - t0:5.1f}s] SIGKILLed worker pid {victim.pid} "
+                      f"holding {held} sequences", flush=True)
             try:
                 kind, wid, counts = q.get(timeout=0.5)
                 if kind == "start":
+                    if kill_at is None:
+                        kill_at = counts + args.duration / 2
                     continue
                 if kind == "done":
                     done[wid] = counts
@@ -215,12 +253,17 @@ def main(argv=None) -> int:
         for p in workers:
             p.join(timeout=30)
         bad = [(p.name, p.exitcode) for p in workers if p.exitcode != 0]
+        if victim is not None and victim.is_alive():        # killed it before it got going
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(timeout=10)
         rec = cache.recover()
         problems = cache.check()
         st = cache.stats()
         tot = {k: sum(c[k] for c in done.values()) for k in
                ("prefill_tokens", "decode_tokens", "requests", "finished", "forks",
-                "preempted", "bytes", "gathers")}
+                "preempted", "bytes", "gathers", "prefix_hit_tokens")}
+        prompt_tokens = tot["prefill_tokens"] + tot["prefix_hit_tokens"]
+        hit_pct = 100 * tot["prefix_hit_tokens"] / max(1, prompt_tokens)
         toks = tot["prefill_tokens"] + tot["decode_tokens"]
         rows = [
             ("workers", f"{args.workers} processes, {elapsed:.1f} s"),
@@ -232,13 +275,23 @@ def main(argv=None) -> int:
                            f"{tot['bytes'] / elapsed / 1e9:.2f} GB/s of KV written+read"),
             ("decode", f"{tot['decode_tokens'] / elapsed:,.0f} tokens/s "
                        f"({cfg.bytes_per_token / 1024:.0f} KiB each)"),
+            ("prefix cache", f"{tot['prefix_hit_tokens']:,} of {prompt_tokens:,} prompt tokens "
+                             f"were hits ({hit_pct:.0f}%, not recomputed), "
+                             f"{st['cached_blocks']} blocks still cached"),
             ("forks", f"{st['forks']:,} (beams), {st['cow_copies']:,} copy-on-write copies"),
             ("peak blocks", f"{st['peak_used_blocks']:,} of {st['num_blocks']:,} "
                             f"({100 * st['peak_used_blocks'] / st['num_blocks']:.0f}%)"),
-            ("allocations", f"{st['allocations']:,} blocks allocated, {st['frees']:,} freed"),
-            ("end state", f"{st['used_blocks']} blocks used, {st['num_sequences']} sequences, "
-                          f"recovery reclaimed {rec['sequences']} sequences / "
-                          f"{rec['blocks']} blocks"),
+            ("allocations", f"{st['allocations']:,} blocks allocated, "
+                            f"{st['cached_blocks_reused']:,} reused from the prefix cache, "
+                            f"{st['frees']:,} freed"),
+            ("killed worker", "none" if victim is None else
+                              f"pid {victim.pid} (exit {victim.exitcode}): recovery reclaimed "
+                              f"{st['reclaimed_sequences']} sequences / "
+                              f"{st['reclaimed_blocks']} blocks ({st['recoveries']} passes: on "
+                              f"attach, before CacheFullError, and {rec['sequences']} sequences "
+                              f"in the final recover()); longest pass "
+                              f"{st['max_recovery_s'] * 1e6:.0f} us"),
+            ("end state", f"{st['used_blocks']} blocks used, {st['num_sequences']} sequences"),
             ("check()", "[] (consistent)" if not problems else f"{len(problems)} problems"),
         ]
         w = max(len(r[0]) for r in rows)
@@ -252,7 +305,7 @@ def main(argv=None) -> int:
         ok = not problems and not bad and st["used_blocks"] == 0
         return 0 if ok else 1
     finally:
-        for p in workers:
+        for p in workers + ([victim] if victim is not None else []):
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
