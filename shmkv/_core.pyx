@@ -2023,7 +2023,7 @@ def struct_layout():
         ("salt", <size_t>&q.salt[0], "Q"), ("trimmed", <size_t>&q.trimmed, "I"),
         ("trim_s", <size_t>&q.trim_s, "I"), ("trim_d", <size_t>&q.trim_d, "I"),
         ("trim_k", <size_t>&q.trim_k, "I"), ("trim_chunk", <size_t>&q.trim_chunk, "I"),
-        ("trim_len", <size_t>&q.trim_len, "I")])
+        ("trim_len", <size_t>&q.trim_len, "I"), ("trim_trimmed", <size_t>&q.trim_trimmed, "I")])
     proc = _fields(<const char *>&p, [
         ("state", <size_t>&p.state, "I"), ("gen", <size_t>&p.gen, "I"),
         ("pid", <size_t>&p.pid, "Q"), ("pid_start", <size_t>&p.pid_start, "Q"),

@@ -564,7 +564,7 @@ static int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *s
     q->hash_ready = 0;
     q->salt[0] = q->salt[1] = 0;
     q->trimmed = 0;
-    q->trim_s = q->trim_d = q->trim_k = q->trim_chunk = q->trim_len = 0;
+    q->trim_s = q->trim_d = q->trim_k = q->trim_chunk = q->trim_len = q->trim_trimmed = 0;
     shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_LIVE);    /* publish */
     SHMKV_CRASH(CREATE_MID);
     sh->num_seqs++;
@@ -981,6 +981,7 @@ static void shmkv__trim_apply(shmkv_ctx_t *c, uint32_t slot) {
     if (q->hashed > S) q->hashed = S;
     if (q->hash_ready > S) q->hash_ready = S;
     q->flags |= SHMKV_SEQF_UNTRACKED;          /* positions renumbered: the chain ends */
+    q->trimmed = q->trim_trimmed;              /* idempotent: redo sets the same value */
     __atomic_store_n(&q->trim_d, 0, __ATOMIC_SEQ_CST);   /* journal closed */
 }
 
@@ -997,10 +998,10 @@ static int shmkv_seq_trim_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t S, uint
     q->trim_s = S;
     q->trim_k = nb - S - D;
     q->trim_len = q->len - D * c->cfg.block_size;
+    q->trim_trimmed = q->trimmed + D * c->cfg.block_size;
     q->trim_chunk = 0;
     __atomic_store_n(&q->trim_d, D, __ATOMIC_SEQ_CST);       /* journal opened */
     shmkv__trim_apply(c, slot);
-    q->trimmed += D * c->cfg.block_size;
     for (uint32_t i = D; i-- > 0;) shmkv_block_decref_locked(c, dropped[i]);
     shmkv_count(c, SHMKV_C_TRIMMED_BLOCKS, D);
     return SHMKV_OK;

@@ -271,10 +271,10 @@ typedef struct {
     uint32_t trimmed;          /* tokens dropped by trim_streaming so far */
     /* journal of an in-progress trim (pool_lock held throughout; recovery redoes it):
      * drop trim_d blocks after the first trim_s, moving the trim_k after them left in
-     * chunks of at most trim_d entries; trim_chunk = chunk in progress; active iff
-     * trim_d != 0 */
-    uint32_t trim_s, trim_d, trim_k, trim_chunk, trim_len;
-    uint8_t  _pad[16];
+     * chunks of at most trim_d entries; trim_chunk = chunk in progress; trim_trimmed =
+     * the value `trimmed` takes when the trim completes; active iff trim_d != 0 */
+    uint32_t trim_s, trim_d, trim_k, trim_chunk, trim_len, trim_trimmed;
+    uint8_t  _pad[12];
 } shmkv_seq_t;
 
 /* ---- one hash-index entry (24 bytes): open addressing, linear probing --------------- */
@@ -314,6 +314,7 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     h = shmkv_mix(h, offsetof(shmkv_seq_t, writer));
     h = shmkv_mix(h, offsetof(shmkv_seq_t, len));
     h = shmkv_mix(h, offsetof(shmkv_seq_t, trim_s));
+    h = shmkv_mix(h, offsetof(shmkv_seq_t, trim_trimmed));
     h = shmkv_mix(h, sizeof(shmkv_layout_t));
     h = shmkv_mix(h, sizeof(shmkv_index_t));
     h = shmkv_mix(h, SHMKV_INFLIGHT_PER_PROC);

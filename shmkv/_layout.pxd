@@ -85,7 +85,7 @@ cdef extern from "_layout.h" nogil:
         uint64_t last_access_ns, access_count, created_ns
         uint32_t flags, hash_ready
         uint64_t salt[2]
-        uint32_t trimmed, trim_s, trim_d, trim_k, trim_chunk, trim_len
+        uint32_t trimmed, trim_s, trim_d, trim_k, trim_chunk, trim_len, trim_trimmed
 
     ctypedef struct shmkv_index_t:
         uint64_t hash[2]
