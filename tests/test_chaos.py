@@ -109,10 +109,12 @@ def test_chaos_catches_planted_bug(tmp_path, bug):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sabotage,kinds", [("free_detached", {"lost_sequence"}),
-                                             ("corrupt_data", {"lost_tokens", "garbage"})])
+                                             ("corrupt_data", {"lost_tokens", "garbage"}),
+                                             ("corrupt_cached", {"bad_hit", "bad_index"})])
 def test_chaos_catches_sabotage(tmp_path, sabotage, kinds):
     """Damage no planted bug makes: a detached sequence freed behind the workers' backs,
-    one confirmed token changed in place."""
+    one confirmed token changed in place, one token of a cached (findable) block
+    changed: a later hit on it, or the audit's raw check of hashed blocks, must see it."""
     proc, r = run_chaos(tmp_path, "--duration", "6", "--phase", "0", "--sabotage", sabotage,
                         "--max-duration", "6")
     assert r is not None, _explain(proc)

@@ -1633,14 +1633,18 @@ class Worker:
         except DataError as ex:
             self.fail("garbage", f"{where} ({n} tokens): {ex}; record {e1 or e2}")
             return None
-        recs = [r for r in (e1, e2) if r is not None and r.state == DETACHED]
-        sid = (e1 or e2).sid if (e1 or e2) is not None else None
-        recs = [r for r in recs if r.sid == sid]
-        if not recs:
+        first = e1 if e1 is not None else e2
+        if first is None or first.state == EMPTY:
             return segs, pos, m, tr
+        # records of this sequence (its lineage never changes; freed or adopted since
+        # does not matter for what the data read before could show)
+        recs = [r for r in (e1, e2) if r is not None and r.sid == first.sid]
         bs = self.bs
-        lo = e1.trim if e1 is not None and e1 in recs else 0
-        hi = max(r.trim + (r.i_n if r.intent == I_TRIM else 0) for r in recs)
+        lo = e1.trim if e1 is not None else 0
+        if e2 is not None and e2.sid == first.sid:
+            hi = max(r.trim + (r.i_n if r.intent == I_TRIM else 0) for r in recs)
+        else:
+            hi = 1 << 40          # no record after the read: a later trim can have come
         if tr and not (lo <= tr <= hi):
             self.fail("bad_trim", f"{where}: the data shows {tr} tokens dropped after token "
                                   f"{m}; the records allow {lo}..{hi}: {recs}")
@@ -2087,8 +2091,19 @@ class Controller:
         return self._summary()
 
     def _sabotage(self):
-        """Harness self-test: damage a detached sequence behind the workers' backs, the
-        way a core bug would; the run must catch it."""
+        """Harness self-test: damage a detached sequence, or a cached block that is still
+        findable, behind the workers' backs, the way a core bug would; the run must
+        catch it."""
+        if self.args.sabotage == "corrupt_cached":
+            snap = _core.snapshot(self.name, tables=False)
+            cached = np.flatnonzero((np.asarray(snap["block_flags"]) & 1)
+                                    & (np.asarray(snap["ref_cnt"]) == 0))
+            if cached.size:
+                b = int(cached[self.rng.randrange(cached.size)])
+                t = self.rng.randrange(self.cfg.block_size)
+                self.cache.value_cache(self.cfg.num_layers - 1)[b, t] += 1
+                self.sabotaged += 1
+            return
         idx = np.flatnonzero(self.J.hints.copy())
         if idx.size == 0:
             return
@@ -2633,10 +2648,12 @@ def parse_args(argv=None):
     p.add_argument("--min-per-point", type=int, default=20,
                    help="deaths the run must see at every crash point")
     p.add_argument("--plant", choices=_core.PLANTED_BUGS, default=None)
-    p.add_argument("--sabotage", choices=("free_detached", "corrupt_data"), default=None,
+    p.add_argument("--sabotage", choices=("free_detached", "corrupt_data", "corrupt_cached"),
+                   default=None,
                    help="harness self-test: the controller frees a detached sequence / "
-                        "changes one confirmed token behind the workers' backs every check "
-                        "interval; the run must FAIL")
+                        "changes one confirmed token / changes one token of a cached, "
+                        "findable block behind the workers' backs every check interval; "
+                        "the run must FAIL")
     p.add_argument("--expect-failure", action="store_true",
                    help="exit 0 only if a failure was caught (for --plant)")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
