@@ -794,14 +794,17 @@ class Worker:
         the point sits), to own sequences and to pool sequences (whose death mid-publish
         leaves a surviving sequence with part of its blocks indexed)."""
         r = self.rng.random()
-        if r < 0.25:
+        room = len(self.own) < self.MAX_OWN
+        if r < 0.25 and room:
             return self.op_create_prompt()
         if r < 0.55:
             return self.op_pool_claim(mode="append")
         cands = [e for e in self.own.values() if e.flags & F_TOK and not e.trim
                  and e.conf + self.bs <= self.max_len]
         if not cands:
-            return self.op_create_prompt()
+            if room:
+                return self.op_create_prompt()
+            return self.op_free_own(self.rng.choice(list(self.own.values())))
         e = self.rng.choice(cands)
         n = self.bs - e.conf % self.bs + self.rng.randrange(self.bs)
         n = min(n, self.max_len - e.conf)
@@ -2628,7 +2631,7 @@ def parse_args(argv=None):
                         "ready, before it may be SIGKILLed")
     p.add_argument("--aim", type=float, default=0.3,
                    help="fraction of SIGKILLs aimed at a worker that is inside a pool append")
-    p.add_argument("--arm", type=float, default=0.35,
+    p.add_argument("--arm", type=float, default=0.3,
                    help="fraction of restarted workers armed with a crash point")
     p.add_argument("--armed-grace", type=float, default=1.5,
                    help="seconds an armed worker is spared from SIGKILL")
