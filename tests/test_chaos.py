@@ -50,6 +50,15 @@ def test_chaos_short_run_has_no_failures(tmp_path):
     assert r["recoveries"] > 0 and r["sequences_verified"] > 0 and r["tokens_verified"] > 0
     assert r["dead_owner_sequences_seen_reclaimed"] > 0
     assert r["audits"] >= 3
+    # the prefix-cache paths ran, and their results were checked
+    px = r["prefix"]
+    assert r["crash_point_deaths"]["publish_mid"] >= 3 and r["crash_point_deaths"]["trim_mid"] >= 3
+    assert px["prompt_creates"] > 0 and px["hit_blocks_verified_by_workers"] > 0
+    assert px["segment"]["cached_blocks_reused"] > 0          # hits on cached blocks ...
+    assert px["live_hit_blocks"] > 0                          # ... and on live ones
+    assert px["audit_hit_blocks_verified"] > 0 and px["hashed_blocks_verified_in_audits"] > 0
+    assert px["token_ids_verified"] > 0 and px["commits"] > 0
+    assert px["trims"] > 0 and px["evicted"] > 0
 
 
 @pytest.mark.slow
@@ -100,10 +109,12 @@ def test_chaos_catches_planted_bug(tmp_path, bug):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sabotage,kinds", [("free_detached", {"lost_sequence"}),
-                                             ("corrupt_data", {"lost_tokens", "garbage"})])
+                                             ("corrupt_data", {"lost_tokens", "garbage"}),
+                                             ("corrupt_cached", {"bad_hit", "bad_index"})])
 def test_chaos_catches_sabotage(tmp_path, sabotage, kinds):
     """Damage no planted bug makes: a detached sequence freed behind the workers' backs,
-    one confirmed token changed in place."""
+    one confirmed token changed in place, one token of a cached (findable) block
+    changed: a later hit on it, or the audit's raw check of hashed blocks, must see it."""
     proc, r = run_chaos(tmp_path, "--duration", "6", "--phase", "0", "--sabotage", sabotage,
                         "--max-duration", "6")
     assert r is not None, _explain(proc)
@@ -193,3 +204,100 @@ def test_journal_survives_a_torn_write(chaos_mod, tmp_path):
             J2.close()
     finally:
         J.close()
+
+
+def test_codec_trimmed_lineages_and_token_ids(chaos_mod):
+    """After trim_streaming the kept tokens are the sink blocks and the window at their
+    ORIGINAL positions: derive_full finds the lineage and the trim; a jump that is no
+    whole-block trim after a sink is garbage.  Token ids are a function of the lineage
+    without its salt bits: the salted prompt has the unsalted one's ids, other data."""
+    cfg = _cfg()                                   # block size 4
+    codec = chaos_mod.Codec(cfg)
+    segs = [(0, 0x1230), (6, 0x4560), (21, 0x7890)]
+    n0 = 26
+    k, v = codec.make(segs, 0, n0)
+    # sink 1 block, 3 blocks (12 tokens) dropped: current 4.. are original 16..
+    pos = codec.orig(1, 12, 0, n0 - 12)
+    assert pos.tolist() == [0, 1, 2, 3] + list(range(16, 26))
+    tk, tv = k[:, pos], v[:, pos]
+    dsegs, dpos, m, t = codec.derive_full(tk, tv)
+    assert (m, t) == (4, 12) and dpos.tolist() == pos.tolist()
+    assert dsegs == [(0, 0x1230), (6, 0x4560), (21, 0x7890)]
+    assert codec.first_mismatch_at(tk, tv, segs, pos) == (None, 0)
+    # a jump by part of a block, or not after whole sink blocks
+    for bad in ([0, 1, 2, 3, 14, 15, 16], [0, 1, 2, 12, 13, 14, 15]):
+        with pytest.raises(chaos_mod.DataError):
+            codec.derive_full(k[:, bad], v[:, bad])
+    # the kept tokens of the wrong trim (one block too many dropped) differ
+    assert codec.first_mismatch_at(tk, tv, segs, codec.orig(1, 16, 0, n0 - 12))[0] == 4
+    # ids: salt bits do not change them, everything else does
+    p0 = np.arange(12)
+    base = [(0, 0x5550 << chaos_mod.SALT_BITS)]
+    salted = [(0, (0x5550 << chaos_mod.SALT_BITS) | 1)]
+    assert np.array_equal(codec.tid(base, p0), codec.tid(salted, p0))
+    assert not np.array_equal(codec.make(base, 0, 12)[0], codec.make(salted, 0, 12)[0])
+    assert len(set(codec.tid(base, p0).tolist())) == 12
+    assert (codec.tid(base, p0) >= 0).all()
+
+
+def test_check_block_rejects_a_wrong_findable_block(chaos_mod):
+    codec = chaos_mod.Codec(_cfg())
+    segs = [(0, 0x1230), (6, 0x4560)]
+    k, v = codec.make(segs, 0, 12)
+    ids = codec.tid(segs, np.arange(12))
+    blk = slice(4, 8)                              # block 1: positions 4..7, two segments
+    assert codec.check_block(k[:, blk], v[:, blk], ids[blk]) is None
+    assert "id" in codec.check_block(k[:, blk], v[:, blk], ids[0:4])        # other ids
+    assert "block" in codec.check_block(k[:, 3:7], v[:, 3:7], ids[3:7])     # misaligned
+    k2 = k[:, blk].copy()
+    k2[1, 2] += 1                                                            # torn data
+    assert codec.check_block(k2, v[:, blk], ids[blk]) is not None
+
+
+def test_resolve_record_after_a_death(chaos_mod):
+    """What a claimant decides about the operation a dead worker left in flight."""
+    E, m = chaos_mod.Entry, chaos_mod
+    e = E(7, m.DETACHED, m.I_TRIM, conf=40, i_len=40, i_n=16, trim=8, sink=1, segs=[(0, 1)])
+    assert m.resolve_record(e, 40, 8)[3] == []                 # never started
+    t_exp, conf, _, probs = m.resolve_record(e, 24, 24)        # done (journal redone)
+    assert (t_exp, conf, probs) == (24, 24, [])
+    kinds = [p[0] for p in m.resolve_record(e, 24, 8)[3]]      # done, trimmed() not told
+    assert kinds == ["bad_trim"]
+    assert [p[0] for p in m.resolve_record(e, 32, 8)[3]] == ["bad_trim"]   # half a trim
+    a = E(7, m.DETACHED, m.I_APPEND, conf=10, i_len=10, i_n=5, segs=[(0, 1)])
+    assert m.resolve_record(a, 10, 0)[3] == [] and m.resolve_record(a, 15, 0)[3] == []
+    assert [p[0] for p in m.resolve_record(a, 12, 0)[3]] == ["torn_publish"]
+    assert [p[0] for p in m.resolve_record(a, 9, 0)[3]] == ["lost_tokens"]
+
+
+@pytest.mark.slow
+def test_a_death_mid_trim_leaves_trimmed_right(seg_name, tmp_path):
+    """The trim journal: a process that dies inside trim_streaming (crash point trim_mid,
+    armed through the environment; the journal half applied) leaves the sequence trimmed
+    all or nothing after recovery, and trimmed() must say how many tokens were dropped
+    (a caller adds it to recover original positions).  The chaos harness reports the
+    same thing, seen after a trim_mid death of a pool sequence, as bad_trim."""
+    cfg = shmkv.CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=32,
+                            block_size=4, dtype="float32", max_seqs=8)
+    c = shmkv.KVCache.create(seg_name, cfg)
+    try:
+        sid = c.create_sequence()
+        k = np.repeat(np.arange(24, dtype=np.float32).reshape(1, 24, 1, 1), 4, axis=3)
+        c.append(sid, k, k)
+        c.detach(sid)
+        code = ("import shmkv, sys; c = shmkv.KVCache.attach(sys.argv[1]); "
+                "c.trim_streaming(int(sys.argv[2]), 4, 4)")
+        env = dict(os.environ, SHMKV_CRASH_POINT="trim_mid:1")
+        proc = subprocess.run([sys.executable, "-c", code, seg_name, str(sid)], env=env,
+                              cwd=str(tmp_path), capture_output=True, text=True, timeout=60,
+                              check=False)
+        assert proc.returncode == 86, (proc.returncode, proc.stderr[-2000:])   # trim_mid
+        c.recover()
+        assert c.check() == []
+        kept = c.gather(sid)[0][0, :, 0, 0].astype(int).tolist()
+        assert kept == [0, 1, 2, 3, 20, 21, 22, 23]      # the trim was finished
+        assert c.seq_len(sid) == 8
+        assert c.trimmed(sid) == 16, "trimmed() lost the trim a dead process journalled"
+        c.free(sid)
+    finally:
+        c.close()

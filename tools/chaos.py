@@ -81,7 +81,8 @@ if TOOLS_DIR not in sys.path:
 # --------------------------------------------------------------------------------------
 OPS = ("attach", "create", "append", "reserve", "write", "fork", "gather", "paged_read",
        "free", "detach", "adopt", "recover", "check", "seq_len", "owner_pid", "tables",
-       "stats")
+       "stats", "create_tok", "append_tok", "reserve_tok", "commit", "match_prefix",
+       "token_ids", "trim", "trimmed", "evict", "set_priority")
 OP_INDEX = {n: i for i, n in enumerate(OPS)}
 
 # failure kinds (each is counted; any count > 0 fails the run)
@@ -99,6 +100,15 @@ FAIL_KINDS = (
     "exception",        # any other unexpected exception in a worker
     "worker_crash",     # a worker died by an unexpected signal or exit status
     "harness",          # the harness itself could not do its job (journal)
+    "bad_hit",          # a prefix-cache hit shared blocks whose K/V or token ids are not the
+                        # prompt's (wrong data, wrong salt, a block reused under its hash)
+    "bad_ids",          # token_ids() of a sequence differ from the ids it was given
+    "bad_trim",         # trim_streaming dropped the wrong blocks, or trimmed() / seq_len()
+                        # disagree with what was kept (after a death: with the trim journal)
+    "bad_evict",        # evict() took a sequence it must not (a live process's own, an
+                        # excluded one) or returned ids it did not free
+    "bad_index",        # a hashed (findable) block whose data or token ids are not a
+                        # well-formed full block, or whose ids do not match its data
 )
 FAIL_INDEX = {k: i for i, k in enumerate(FAIL_KINDS)}
 
@@ -106,7 +116,10 @@ LANE_FIELDS = ("inc", "pid", "ready", "lost_token_count", "tokens_verified",
                "seqs_verified", "reads_discarded", "reclaimed_seen", "cache_full",
                "pool_appends", "resolved_inflight", "cow_appends", "not_found",
                "claim_busy", "max_claim_wait_ns", "startup_ns_sum", "startup_ns_max",
-               "startups", "ready_mono_ns")
+               "startups", "ready_mono_ns", "prompt_creates", "prefix_hit_blocks",
+               "prefix_hit_tokens_verified", "ids_verified", "tok_appends", "commits",
+               "committed_blocks", "trims", "trimmed_tokens", "resolved_trims",
+               "evict_calls", "evicted", "evicted_dead", "matches", "cur_op")
 LF = {n: i for i, n in enumerate(LANE_FIELDS)}
 N_LF = len(LANE_FIELDS)
 LANE_WORDS = N_LF + len(FAIL_KINDS) + 2 * len(OPS)
@@ -118,18 +131,25 @@ MAX_BASE = CNT_BASE + len(OPS)
 EMPTY, OWNED, DETACHED, FREED, ORPHAN = 0, 1, 2, 3, 4
 STATE_NAMES = {EMPTY: "empty", OWNED: "owned", DETACHED: "detached", FREED: "freed",
                ORPHAN: "orphan"}
-I_NONE, I_APPEND, I_FREE, I_DETACH, I_ADOPT = 0, 1, 2, 3, 4
+I_NONE, I_APPEND, I_FREE, I_DETACH, I_ADOPT, I_TRIM = 0, 1, 2, 3, 4, 5
 INTENT_NAMES = {I_NONE: "-", I_APPEND: "append", I_FREE: "free", I_DETACH: "detach",
-                I_ADOPT: "adopt"}
+                I_ADOPT: "adopt", I_TRIM: "trim"}
 F_RESERVE_OK = 1        # only this sequence's creator touches it: reserve+write allowed
+F_TOK = 2               # every token was given with its id (tokens=): token_ids() is known
+SALT_SHIFT = 4          # flags bits 4-5: the cache salt (0: none, 1..3: SALTS[i])
+SALT_BITS = 2           # a lineage seed's low bits carry the salt: content differs, ids not
+SALTS = (None, "tenant-a", "tenant-b", "tenant-c")
 
+POOL_OP = 100           # cur_op: + this when the call is on a claimed pool sequence
 MAXSEG = 32
-PAYLOAD = struct.Struct(f"<qIIqIIIIII{MAXSEG}I{MAXSEG}Q")
+# sid, state, intent, holder, flags, conf, i_len, i_n, nseg, trim, sink, starts, seeds
+PAYLOAD = struct.Struct(f"<qIIqIIIIIII{MAXSEG}I{MAXSEG}Q")
 COPY_BYTES = 512
 assert 16 + PAYLOAD.size <= COPY_BYTES
 ENTRY_BYTES = 2 * COPY_BYTES
 JHDR_BYTES = 4096
 LOCK_BASE = 1 << 30     # OFD lock of slot s: byte LOCK_BASE + s of the journal file
+EVICT_GATE = -1         # ... and the detach/evict gate, byte LOCK_BASE - 1
 M24 = (1 << 24) - 1
 TABLE_ROWS = 509        # rows of the fill table (prime)
 TABLE_COLS = 2048       # elements of one token (all layers, K or V) the shared table covers
@@ -152,7 +172,12 @@ if __name__ == "chaos":
 
 
 class Entry:
-    """One journal record: what the harness knows about the sequence in a slot."""
+    """One journal record: what the harness knows about the sequence in a slot.
+
+    Positions: `conf`, `i_len` are current positions of the sequence; its lineage `segs`
+    is in ORIGINAL positions (what the token was when it was appended).  They differ
+    once trim_streaming dropped blocks: current position i < sink * block_size is
+    original i, any later one is original i + trim."""
     __slots__ = (
         "conf",
         "flags",
@@ -162,16 +187,23 @@ class Entry:
         "intent",
         "segs",
         "sid",
+        "sink",
         "state",
+        "trim",
         "ver",
     )
 
     def __init__(self, sid=0, state=EMPTY, intent=I_NONE, holder=0, flags=0, conf=0,
-                 i_len=0, i_n=0, segs=(), ver=0):
+                 i_len=0, i_n=0, segs=(), ver=0, trim=0, sink=0):
         self.sid, self.state, self.intent, self.holder = sid, state, intent, holder
         self.flags, self.conf, self.i_len, self.i_n = flags, conf, i_len, i_n
         self.segs = list(segs)
         self.ver = ver
+        self.trim, self.sink = trim, sink
+
+    @property
+    def salt(self):
+        return (self.flags >> SALT_SHIFT) & 3
 
     def pack(self):
         n = len(self.segs)
@@ -180,22 +212,28 @@ class Entry:
         starts = [s for s, _ in self.segs] + [0] * (MAXSEG - n)
         seeds = [d for _, d in self.segs] + [0] * (MAXSEG - n)
         return PAYLOAD.pack(self.sid, self.state, self.intent, self.holder, self.flags,
-                            self.conf, self.i_len, self.i_n, n, 0, *starts, *seeds)
+                            self.conf, self.i_len, self.i_n, n, self.trim, self.sink,
+                            *starts, *seeds)
 
     @classmethod
     def unpack(cls, raw, ver):
         v = PAYLOAD.unpack(raw)
         n = min(v[8], MAXSEG)
-        starts = v[10:10 + MAXSEG]
-        seeds = v[10 + MAXSEG:10 + 2 * MAXSEG]
+        starts = v[11:11 + MAXSEG]
+        seeds = v[11 + MAXSEG:11 + 2 * MAXSEG]
         return cls(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7],
-                   list(zip(starts[:n], seeds[:n])), ver)
+                   list(zip(starts[:n], seeds[:n])), ver, v[9], v[10])
+
+    def copy(self):
+        return Entry(self.sid, self.state, self.intent, self.holder, self.flags, self.conf,
+                     self.i_len, self.i_n, self.segs, self.ver, self.trim, self.sink)
 
     def __repr__(self):
         return (f"Entry(sid={self.sid}, {STATE_NAMES.get(self.state, self.state)}, "
                 f"intent={INTENT_NAMES.get(self.intent, self.intent)}({self.i_len},"
                 f"{self.i_n}), holder={self.holder >> 32}.{self.holder & 0xffffffff}, "
-                f"conf={self.conf}, segs={self.segs})")
+                f"conf={self.conf}, flags={self.flags:#x}, trim={self.trim}, "
+                f"sink={self.sink}, segs={self.segs})")
 
 
 # --------------------------------------------------------------------------------------
@@ -251,6 +289,25 @@ class Journal:
         if slot in self.held:
             self._lk(slot, fcntl.F_UNLCK)
             self.held.discard(slot)
+
+    # The detach gate: a detach (intent, call, record) holds it shared, an evict()
+    # exclusively.  So no sequence becomes detached while an evictor's exclude list is
+    # being used: evict() may take only the evictor's own sequences, the pool sequences
+    # it claimed, and dead processes' sequences -- which the evictor can tell apart.
+    def gate_shared(self):
+        self._lk(EVICT_GATE, fcntl.F_RDLCK, wait=True)
+
+    def gate_exclusive(self):
+        try:
+            self._lk(EVICT_GATE, fcntl.F_WRLCK)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def gate_release(self):
+        self._lk(EVICT_GATE, fcntl.F_UNLCK)
 
     def slots_of_lane(self, lane):
         """Slots whose record (either copy, unverified: a hint) names a holder of `lane`."""
@@ -334,17 +391,17 @@ class Codec:
         self.table = [[base[kv, :, l * self.HD:(l + 1) * self.HD] for l in range(self.L)]
                       for kv in range(2)]
 
-    def _per_pos(self, segs, a, b):
+    def _per_pos(self, segs, pos):
         starts = np.array([s for s, _ in segs], np.int64)
         seeds = np.array([d for _, d in segs], np.int64)
-        pos = np.arange(a, b, dtype=np.int64)
         idx = np.searchsorted(starts, pos, side="right") - 1
-        return pos, seeds[idx], starts[idx]
+        return seeds[idx], starts[idx]
 
-    def make(self, segs, a, b):
-        """K, V [layers, b-a, heads, dim] of positions [a, b) of a lineage."""
-        pos, seed, start = self._per_pos(segs, a, b)
-        n = b - a
+    def make_at(self, segs, pos):
+        """K, V [layers, len(pos), heads, dim] of the lineage at original positions pos."""
+        pos = np.asarray(pos, np.int64)
+        seed, start = self._per_pos(segs, pos)
+        n = pos.size
         rows = (seed + pos) % TABLE_ROWS
         rows_v = (rows * 7 + 3) % TABLE_ROWS
         k = np.empty((self.L, n, self.HD), np.float32)
@@ -358,54 +415,236 @@ class Codec:
         k[0, :, 3] = pos
         return (k.reshape(self.L, n, self.H, self.D), v.reshape(self.L, n, self.H, self.D))
 
-    def mismatch(self, k, v, segs, a):
-        """bool [n]: token a+i of k/v differs from the lineage."""
+    def make(self, segs, a, b):
+        """K, V [layers, b-a, heads, dim] of positions [a, b) of a lineage."""
+        return self.make_at(segs, np.arange(a, b, dtype=np.int64))
+
+    def tid(self, segs, pos):
+        """Token ids (int32 >= 0) of the lineage at original positions pos: a function of
+        (segment seed without its salt bits, position) -- so two lineages that agree on
+        the ids up to a position agree on the data there, salt apart (the cache salt
+        keeps those from sharing; its bits in the seed make their data differ)."""
+        pos = np.asarray(pos, np.int64)
+        seed, _ = self._per_pos(segs, pos)
+        x = ((seed >> SALT_BITS).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             + pos.astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F))
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(29)
+        return (x >> np.uint64(33)).astype(np.int32)
+
+    def orig(self, sink, trim, a, b):
+        """Original positions of current positions [a, b) of a sequence trimmed by `trim`
+        tokens after a sink of `sink` blocks."""
+        pos = np.arange(a, b, dtype=np.int64)
+        if trim:
+            pos[pos >= sink * self.bs] += trim
+        return pos
+
+    def orig_e(self, e, a, b):
+        return self.orig(e.sink, e.trim, a, b)
+
+    def mismatch_at(self, k, v, segs, pos):
+        """bool [n]: token i of k/v differs from the lineage at original position pos[i]."""
         n = k.shape[1]
-        ek, ev = self.make(segs, a, a + n)
+        if n == 0:
+            return np.zeros(0, bool)
+        ek, ev = self.make_at(segs, pos)
         return ((k != ek).reshape(self.L, n, -1).any(axis=(0, 2))
                 | (v != ev).reshape(self.L, n, -1).any(axis=(0, 2)))
 
-    def first_mismatch(self, k, v, segs, a):
-        """Index (relative to a) of the first token of k/v that differs from the lineage,
-        the number of differing tokens; (None, 0) if equal."""
-        n = k.shape[1]
-        if n == 0:
+    def mismatch(self, k, v, segs, a):
+        """bool [n]: token a+i of k/v differs from the lineage."""
+        return self.mismatch_at(k, v, segs, np.arange(a, a + k.shape[1], dtype=np.int64))
+
+    def first_mismatch_at(self, k, v, segs, pos):
+        """Index of the first token of k/v that differs from the lineage at pos, the number
+        of differing tokens; (None, 0) if equal."""
+        if k.shape[1] == 0:
             return None, 0
-        idx = np.flatnonzero(self.mismatch(k, v, segs, a))
+        idx = np.flatnonzero(self.mismatch_at(k, v, segs, pos))
         if idx.size == 0:
             return None, 0
         return int(idx[0]), int(idx.size)
 
+    def first_mismatch(self, k, v, segs, a):
+        """Index (relative to a) of the first token of k/v that differs from the lineage,
+        the number of differing tokens; (None, 0) if equal."""
+        return self.first_mismatch_at(k, v, segs,
+                                      np.arange(a, a + k.shape[1], dtype=np.int64))
+
     def derive(self, k, v):
         """The lineage spelled out by the data of tokens [0, n); DataError if the data is
         not a well-formed lineage (garbage, a torn token, a token at the wrong place)."""
+        return self.derive_full(k, v)[0]
+
+    def derive_full(self, k, v):
+        """(segs, original positions, m, T): the lineage the data of tokens [0, n) spells
+        out, and where it was trimmed: tokens [0, m) are at their own positions, tokens
+        [m, n) T positions later (m = n, T = 0: never trimmed).  A trim keeps whole
+        blocks: m and T are multiples of the block size, m > 0.  DataError if the data is
+        not a well-formed (possibly trimmed) lineage."""
         n = k.shape[1]
         if n == 0:
-            return []
+            return [], np.zeros(0, np.int64), 0, 0
+        bs = self.bs
         f = k[0, :, 0, :4].astype(np.int64)
         seed = f[:, 0] | (f[:, 1] << 24)
         start, pos = f[:, 2], f[:, 3]
-        wrong = np.flatnonzero(pos != np.arange(n))
+        idx = np.arange(n)
+        off = pos - idx
+        m, T = n, 0
+        wrong = np.flatnonzero(off != 0)
         if wrong.size:
-            i = int(wrong[0])
-            raise DataError(i, f"token {i} says it is position {int(pos[i])}")
+            m = int(wrong[0])
+            T = int(off[m])
+            if m == 0 or m % bs or T <= 0 or T % bs:
+                raise DataError(m, f"token {m} says it is position {int(pos[m])} (not a "
+                                   f"whole-block trim after a sink)")
+            bad = np.flatnonzero(off[m:] != T)
+            if bad.size:
+                i = m + int(bad[0])
+                raise DataError(i, f"token {i} says it is position {int(pos[i])} (trimmed "
+                                   f"by {T} after token {m})")
         change = np.flatnonzero(seed[1:] != seed[:-1]) + 1
-        run_starts = np.concatenate(([0], change))
-        run_id = np.cumsum(np.isin(np.arange(n), change))
-        wrong = np.flatnonzero(start != run_starts[run_id])
+        run_starts = np.concatenate(([0], change)).astype(np.int64)
+        run_id = np.cumsum(np.isin(idx, change))
+        rs_start = start[run_starts]
+        wrong = np.flatnonzero(start != rs_start[run_id])
         if wrong.size:
             i = int(wrong[0])
             raise DataError(i, f"token {i} (seed {int(seed[i]):#x}) says its segment starts "
-                               f"at {int(start[i])}, its run starts at {int(run_starts[run_id[i]])}")
+                               f"at {int(start[i])}, its run's first token says "
+                               f"{int(rs_start[run_id[i]])}")
+        for r, a in enumerate(run_starts.tolist()):
+            s0, p0 = int(rs_start[r]), int(pos[a])
+            if a == 0:
+                ok = s0 == 0
+            elif a == m:             # first kept token after the trim: its segment may
+                ok = int(pos[a - 1]) < s0 <= p0          # have begun in the dropped part
+            else:
+                ok = s0 == p0
+            if not ok:
+                raise DataError(a, f"token {a} (seed {int(seed[a]):#x}, position {p0}) "
+                                   f"starts a run but says its segment starts at {s0}")
         seeds = seed[run_starts]
         if len(set(seeds.tolist())) != len(seeds):
             raise DataError(int(run_starts[-1]), "a lineage seed appears in two runs")
-        segs = list(zip(run_starts.tolist(), seeds.tolist()))
-        i, cnt = self.first_mismatch(k, v, segs, 0)
+        segs = list(zip(rs_start.tolist(), seeds.tolist()))
+        i, cnt = self.first_mismatch_at(k, v, segs, pos)
         if i is not None:
             raise DataError(i, f"token {i}: data differs from its own descriptor "
                                f"({cnt} such tokens)")
-        return segs
+        return segs, pos, m, T
+
+    def check_block(self, k, v, ids):
+        """A findable (hashed) block: k, v [layers, block_size, ...] and its token ids
+        must be one full block of a lineage at its own, block-aligned positions, and the
+        ids those of that lineage.  Returns None or what is wrong."""
+        bs = self.bs
+        f = k[0, :, 0, :4].astype(np.int64)
+        seed = f[:, 0] | (f[:, 1] << 24)
+        start, pos = f[:, 2], f[:, 3]
+        p0 = int(pos[0])
+        if p0 % bs or not np.array_equal(pos, p0 + np.arange(bs)):
+            return f"its tokens say positions {pos.tolist()} (not one whole block)"
+        change = np.flatnonzero(seed[1:] != seed[:-1]) + 1
+        run_starts = np.concatenate(([0], change)).astype(np.int64)
+        segs = []
+        for r, a in enumerate(run_starts.tolist()):
+            b = int(run_starts[r + 1]) if r + 1 < len(run_starts) else bs
+            st = start[a:b]
+            if np.any(st != st[0]):
+                return f"tokens {a}..{b} of one seed disagree on their segment's start"
+            s0 = int(st[0])
+            if (a == 0 and s0 > p0) or (a > 0 and s0 != int(pos[a])):
+                return f"token {a} (position {int(pos[a])}) says its segment starts at {s0}"
+            segs.append((s0, int(seed[a])))
+        i, cnt = self.first_mismatch_at(k, v, segs, pos)
+        if i is not None:
+            return f"token {i} (position {int(pos[i])}): data differs from its own " \
+                   f"descriptor ({cnt} such tokens)"
+        want = self.tid(segs, pos)
+        bad = np.flatnonzero(np.asarray(ids) != want)
+        if bad.size:
+            i = int(bad[0])
+            return (f"token {i} (position {int(pos[i])}) has id {int(ids[i])}, its data says "
+                    f"{int(want[i])} ({bad.size} such tokens)")
+        return None
+
+
+# the shared prompts, and what a record says a sequence must be after a death
+# --------------------------------------------------------------------------------------
+N_FAMILIES = 4          # prompt families (a system prompt each) ...
+N_VARIANTS = 3          # ... with variants that branch off them (variant 0 does not)
+SALT_PICK = (0, 0, 0, 0, 1, 1, 2)
+
+
+class Prompts:
+    """The prompts every process shares: family f, variant j, salt s is a fixed lineage
+    (from the run's seed), so prompts of one family hit each other's blocks, live or
+    cached, across processes; a variant shares the family's first blocks and then
+    branches (at a block boundary or inside a block); a salted prompt has the same
+    token ids as the unsalted one but other data (the salt is in its seeds' low bits), so
+    a hit across salts shows as wrong data."""
+
+    def __init__(self, seed, bs):
+        r = random.Random(seed)
+        self.fam = [(r.getrandbits(43) << SALT_BITS) | 0 for _ in range(N_FAMILIES)]
+        self.var = []
+        for _ in range(N_FAMILIES):
+            vs = [(0, 0)]
+            for _ in range(1, N_VARIANTS):
+                bp = r.randrange(1, 6) * bs + (r.randrange(1, bs) if r.random() < 0.5 else 0)
+                vs.append((bp, r.getrandbits(43) << SALT_BITS))
+            self.var.append(vs)
+
+    def segs(self, f, j, salt):
+        bp, vs = self.var[f][j]
+        if bp == 0:
+            return [(0, self.fam[f] | salt)]
+        return [(0, self.fam[f] | salt), (bp, vs | salt)]
+
+    def all(self):
+        return [(f, j, s) for f in range(N_FAMILIES) for j in range(N_VARIANTS)
+                for s in sorted(set(SALT_PICK))]
+
+
+def resolve_record(e, n, trimmed):
+    """A record and what the segment shows now (n = seq_len, trimmed = trimmed()), read
+    by someone who holds the record's claim or with every worker dead: what must have
+    happened to the operation in flight.  An append publishes all of its tokens or
+    none; a trim (its journal redone by recovery after a death) drops all of its blocks
+    or none, and trimmed() says so.  Returns (trim the data must show, confirmed
+    current length, in-flight append or None, problems [(kind, msg, lost tokens)])."""
+    probs = []
+    if e.intent == I_APPEND:
+        lens = (e.i_len, e.i_len + e.i_n)
+        t_exp, conf = e.trim, e.i_len
+        inflight = (e.i_len, e.i_n)
+    elif e.intent == I_TRIM:
+        lens = (e.i_len, e.i_len - e.i_n)
+        trimmed_now = n == e.i_len - e.i_n
+        t_exp = e.trim + e.i_n if trimmed_now else e.trim
+        conf = n if trimmed_now else e.i_len
+        inflight = None
+    else:
+        lens = (e.conf,)
+        t_exp, conf, inflight = e.trim, e.conf, None
+    if n not in lens:
+        if e.intent == I_TRIM:
+            msg = (f"a trim of {e.i_n} tokens at length {e.i_len} died in flight; the "
+                   f"sequence has {n} tokens (all or none dropped expected)")
+            probs.append(("bad_trim", msg, max(0, e.i_len - e.i_n - n)))
+        elif n < min(lens):
+            probs.append(("lost_tokens", f"has {n} tokens, expected one of {lens}",
+                          conf - n if n < conf else 0))
+        else:
+            probs.append(("torn_publish", f"has {n} tokens, expected one of {lens}", 0))
+    if trimmed != t_exp:
+        msg = f"trimmed() says {trimmed}, the trims it went through dropped {t_exp} (length {n})"
+        probs.append(("bad_trim", msg, 0))
+    return t_exp, conf, inflight, probs
 
 
 # --------------------------------------------------------------------------------------
@@ -427,6 +666,8 @@ class Worker:
         self.fail_fd = os.open(a["failures"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self.logged = {}
         self.cache = None
+        self.focus = None
+        self.on_pool = False        # the call is on a pool (detached) sequence we claimed
 
     # -- bookkeeping -------------------------------------------------------------------
     def bump(self, field, n=1):
@@ -442,6 +683,8 @@ class Worker:
             os.write(self.fail_fd, line.encode())
 
     def call(self, op, fn, *args, **kw):
+        # what we are in (for the controller: where a crash point killed us)
+        self.lv[LF["cur_op"]] = OP_INDEX[op] + 1 + (POOL_OP if self.on_pool else 0)
         t0 = time.perf_counter_ns()
         try:
             return fn(*args, **kw)
@@ -474,10 +717,16 @@ class Worker:
         self.cache.lock_timeout = a["lock_timeout"]
         cfg = self.cache.config
         self.cfg = cfg
+        self.bs = cfg.block_size
         self.NS = cfg.max_seqs
         self.max_len = cfg.max_blocks_per_seq * cfg.block_size
         self.codec = Codec(cfg)
+        self.prompts = Prompts(a["prompt_seed"], self.bs)
         self.views = None
+        # an armed worker leans towards the calls that reach its crash point (the older
+        # points sit on paths every step takes; these two need a long tokened sequence)
+        self.focus = {"publish_mid": self.focus_publish,
+                      "trim_mid": self.focus_trim}.get(a.get("crash"))
         self.J.busy[self.J.busy == self.lane + 1] = 0      # left by our lane's last death
         self.resolve_lane()
         dt = time.time_ns() - a["t_start_ns"]
@@ -502,26 +751,34 @@ class Worker:
         own = list(self.own.values())
         if not own or (len(own) < self.MAX_OWN and r < 0.10):
             return self.op_create()
+        if self.focus is not None and self.rng.random() < 0.5:
+            return self.focus()
         e = self.rng.choice(own)
         r = self.rng.random()
-        if r < 0.20:
+        if r < 0.18:
             self.op_append_own(e)
-        elif r < 0.27:
+        elif r < 0.25:
             if e.flags & F_RESERVE_OK:
                 self.op_reserve_write(e)
             else:
                 self.op_append_own(e)
-        elif r < 0.35:
+        elif r < 0.31:
             self.op_fork_own(e)
-        elif r < 0.42:
+        elif r < 0.37:
             self.op_verify_own(e)
-        elif r < 0.47:
+        elif r < 0.41:
             self.op_free_own(e)
-        elif r < 0.54:
+        elif r < 0.47:
             self.op_detach(e)
-        elif r < 0.74:
+        elif r < 0.50:
+            self.op_trim_own(e)
+        elif r < 0.51:
+            self.op_evict()
+        elif r < 0.52:
+            self.op_priority_or_match(e)
+        elif r < 0.71:
             self.op_pool_claim()
-        elif r < 0.82:
+        elif r < 0.79:
             self.op_pool_fork()
         elif r < 0.95:
             self.op_pool_read()
@@ -531,6 +788,40 @@ class Worker:
             problems = self.call("check", self.cache.check)
             if problems:
                 self.fail("invariant", f"check() in a worker: {problems[:10]}")
+
+    def focus_publish(self):
+        """Armed with publish_mid: tokened appends that fill a block at index >= 2 (where
+        the point sits), to own sequences and to pool sequences (whose death mid-publish
+        leaves a surviving sequence with part of its blocks indexed)."""
+        r = self.rng.random()
+        room = len(self.own) < self.MAX_OWN
+        if r < 0.25 and room:
+            return self.op_create_prompt()
+        if r < 0.55:
+            return self.op_pool_claim(mode="append")
+        cands = [e for e in self.own.values() if e.flags & F_TOK and not e.trim
+                 and e.conf + self.bs <= self.max_len]
+        if not cands:
+            if room:
+                return self.op_create_prompt()
+            return self.op_free_own(self.rng.choice(list(self.own.values())))
+        e = self.rng.choice(cands)
+        n = self.bs - e.conf % self.bs + self.rng.randrange(self.bs)
+        n = min(n, self.max_len - e.conf)
+        if e.flags & F_RESERVE_OK and self.rng.random() < 0.4:
+            return self.op_reserve_write(e, n)
+        return self.append_n(e, n)
+
+    def focus_trim(self):
+        """Armed with trim_mid: trims, mostly of pool sequences (a death mid-trim must
+        leave them trimmed all or nothing, with trimmed() right, after recovery)."""
+        if self.rng.random() < 0.6:
+            return self.op_pool_claim(mode="trim")
+        cands = [e for e in self.own.values() if e.conf > 3 * self.bs]
+        if not cands:
+            e = self.rng.choice(list(self.own.values()))
+            return self.append_n(e, min(self.max_len - e.conf, 2 * self.bs))
+        return self.op_trim_own(self.rng.choice(cands))
 
     # -- claims ----------------------------------------------------------------------------
     def claim_new(self, slot, sid):
@@ -600,7 +891,8 @@ class Worker:
             self.J.write(slot, e)
             return
         if detached and e.intent == I_DETACH:
-            e.state, e.intent, e.flags, e.holder = DETACHED, I_NONE, 0, self.me
+            e.state, e.intent, e.holder = DETACHED, I_NONE, self.me
+            e.flags &= ~F_RESERVE_OK
             self.verify_claimed(slot, e)
             return
         e.state = ORPHAN               # owner dead: the next recovery must reclaim it
@@ -608,6 +900,8 @@ class Worker:
 
     # -- own sequences -------------------------------------------------------------------
     def op_create(self):
+        if self.rng.random() < 0.6:
+            return self.op_create_prompt()
         try:
             sid = self.call("create", self.cache.create_sequence,
                             priority=self.rng.randrange(4))
@@ -617,11 +911,89 @@ class Worker:
         if not self.claim_new(slot, sid):
             self.call("free", self.cache.free, sid)
             return
-        e = Entry(sid, OWNED, holder=self.me, flags=F_RESERVE_OK, segs=[(0, self.new_seed())])
+        # some untokened (never hashed), some tokened with a lineage of their own
+        flags = F_RESERVE_OK | (F_TOK if self.rng.random() < 0.4 else 0)
+        e = Entry(sid, OWNED, holder=self.me, flags=flags, segs=[(0, self.new_seed())])
         self.J.write(slot, e)
         self.own[slot] = e
         if self.rng.random() < 0.8:
             self.op_append_own(e)
+
+    def op_create_prompt(self):
+        """create_sequence(tokens=prompt) of a shared prompt: it starts out holding the
+        prompt's full blocks that any process published (live or cached).  Every shared
+        token is checked (K/V, token ids); then the rest of the prompt is prefilled
+        (append with tokens=, or reserve + write + commit), publishing its blocks."""
+        bs = self.bs
+        f, j = self.rng.randrange(N_FAMILIES), self.rng.randrange(N_VARIANTS)
+        salt = self.rng.choice(SALT_PICK)
+        segs = self.prompts.segs(f, j, salt)
+        plen = self.rng.randint(2 * bs + 1, min(self.max_len - bs, 10 * bs))
+        ids = self.codec.tid(segs, np.arange(plen))
+        try:
+            sid = self.call("create_tok", self.cache.create_sequence, tokens=ids,
+                            salt=SALTS[salt], priority=self.rng.randrange(4))
+        except shmkv.CacheFullError:
+            return self.on_full("create")
+        slot = sid % self.NS
+        if not self.claim_new(slot, sid):
+            self.call("free", self.cache.free, sid)
+            return
+        h = self.call("seq_len", self.cache.seq_len, sid)
+        self.bump("prompt_creates")
+        # the decode after the prompt: the family's own stream (so decodes hit too) or
+        # a lineage segment of this sequence's own
+        if self.rng.random() < 0.5:
+            segs = [x for x in segs if x[0] < plen] + [(plen, self.new_seed())]
+        e = Entry(sid, OWNED, holder=self.me, conf=h, segs=segs,
+                  flags=F_RESERVE_OK | F_TOK | (salt << SALT_SHIFT))
+        self.J.write(slot, e)
+        self.own[slot] = e
+        if h % bs or h > (plen - 1) // bs * bs:
+            self.fail("bad_hit", f"create_sequence(tokens= {plen} ids, salt {SALTS[salt]}) "
+                                 f"-> {sid} starts with {h} tokens (full blocks of the "
+                                 f"prompt but its last token expected)")
+        elif h:
+            self.verify_hit(e, ids, h, "create_sequence(tokens=)")
+        if not self.mine(e):
+            return
+        # prefill the rest, in one go or in chunks
+        while self.mine(e) and e.conf < plen:
+            n = plen - e.conf
+            if self.rng.random() < 0.4:
+                n = min(n, self.rng.randint(1, 2 * bs))
+            if e.flags & F_RESERVE_OK and self.rng.random() < 0.35:
+                if not self.op_reserve_write(e, n):
+                    return
+            elif not self.append_n(e, n):
+                return
+
+    def verify_hit(self, e, ids, h, where):
+        """The h tokens a new sequence got from the prefix cache: exactly the prompt's
+        K/V and token ids, and still findable (we hold them: nothing can evict them)."""
+        salt = SALTS[e.salt]
+        k, v = self.call("gather", self.cache.gather, e.sid)
+        if k.shape[1] != h:
+            self.fail("bad_hit", f"{where}: sequence {e.sid} had {h} tokens, gathers "
+                                 f"{k.shape[1]}; {e}")
+            return
+        i, cnt = self.codec.first_mismatch(k, v, e.segs, 0)
+        if i is not None:
+            self.fail("bad_hit", f"{where}: shared token {i} of {h} (block {i // self.bs}) "
+                                 f"is not the prompt's ({cnt} tokens differ; salt {salt}); "
+                                 f"{e}")
+        got = self.call("token_ids", self.cache.token_ids, e.sid)
+        if not np.array_equal(got, ids[:h]):
+            bad = np.flatnonzero(got != ids[:h])
+            self.fail("bad_hit", f"{where}: shared token {int(bad[0])} of {h} has id "
+                                 f"{int(got[bad[0]])}, the prompt's is {int(ids[bad[0]])}; {e}")
+        m = self.call("match_prefix", self.cache.match_prefix, ids, salt=salt)
+        if m < h:
+            self.fail("bad_hit", f"{where}: match_prefix finds {m} tokens of the prompt "
+                                 f"while sequence {e.sid} holds {h} of them; {e}")
+        self.bump("prefix_hit_blocks", h // self.bs)
+        self.bump("prefix_hit_tokens_verified", h)
+        self.bump("tokens_verified", h)
 
     def pick_n(self, e):
         r = self.rng.random()
@@ -634,8 +1006,11 @@ class Worker:
         return min(n, self.max_len - e.conf)
 
     def on_full(self, what):
-        """CacheFullError: make room by freeing one of ours (or a pool sequence)."""
+        """CacheFullError: make room by freeing one of ours (or a pool sequence), now and
+        then through evict()."""
         self.bump("cache_full")
+        if self.rng.random() < 0.25:
+            return self.op_evict()
         if self.own:
             victim = self.rng.choice(list(self.own.values()))
             self.op_free_own(victim)
@@ -646,38 +1021,72 @@ class Worker:
         """e is still one of our live sequences (a nested op may have freed it)."""
         return e.state == OWNED and self.own.get(e.sid % self.NS) is e
 
+    def data_for(self, e, n):
+        """K, V and token ids of the next n tokens of e's lineage."""
+        pos = self.codec.orig_e(e, e.conf, e.conf + n)
+        k, v = self.codec.make_at(e.segs, pos)
+        return k, v, self.codec.tid(e.segs, pos)
+
     def op_append_own(self, e):
         if not self.mine(e):
             return
         n = self.pick_n(e)
         if n <= 0:
             return self.op_free_own(e) if self.rng.random() < 0.5 else self.op_detach(e)
-        k, v = self.codec.make(e.segs, e.conf, e.conf + n)
-        if e.conf % self.cfg.block_size:
-            self.bump("cow_appends")
-        try:
-            self.call("append", self.cache.append, e.sid, k, v)
-        except shmkv.CacheFullError:
-            return self.on_full("append")
-        except shmkv.SequenceNotFound as ex:
-            return self.own_vanished(e, ex)
-        e.conf += n
-        self.J.write(e.sid % self.NS, e)
+        self.append_n(e, n)
 
-    def op_reserve_write(self, e):
-        if not self.mine(e):
-            return
-        n = self.pick_n(e)
-        if n <= 0:
-            return self.op_free_own(e)
-        k, v = self.codec.make(e.segs, e.conf, e.conf + n)
+    def append_n(self, e, n):
+        """Append n tokens to our sequence e (with their ids if it is tokened; now and
+        then without, which ends its hashing).  True if they are there."""
+        if not self.mine(e) or n <= 0:
+            return False
+        k, v, ids = self.data_for(e, n)
+        if e.conf % self.bs:
+            self.bump("cow_appends")
+        slot = e.sid % self.NS
+        if e.flags & F_TOK and self.rng.random() < 0.01:
+            e.flags &= ~F_TOK                      # ids unknown from here on
+            self.J.write(slot, e)
         try:
-            slots = self.call("reserve", self.cache.reserve, e.sid, n)
+            if e.flags & F_TOK:
+                self.call("append_tok", self.cache.append, e.sid, k, v, tokens=ids)
+                self.bump("tok_appends")
+            else:
+                self.call("append", self.cache.append, e.sid, k, v)
         except shmkv.CacheFullError:
-            return self.on_full("reserve")
+            self.on_full("append")
+            return False
         except shmkv.SequenceNotFound as ex:
-            return self.own_vanished(e, ex)
-        bs = self.cfg.block_size
+            self.own_vanished(e, ex)
+            return False
+        e.conf += n
+        self.J.write(slot, e)
+        return True
+
+    def op_reserve_write(self, e, n=None):
+        """The decode-loop flow: reserve (with token ids if tokened), write layer by
+        layer, commit (tokened: publishes the blocks filled)."""
+        if not self.mine(e):
+            return False
+        if n is None:
+            n = self.pick_n(e)
+        if n <= 0:
+            self.op_free_own(e)
+            return False
+        k, v, ids = self.data_for(e, n)
+        tok = bool(e.flags & F_TOK)
+        try:
+            if tok:
+                slots = self.call("reserve_tok", self.cache.reserve, e.sid, n, tokens=ids)
+            else:
+                slots = self.call("reserve", self.cache.reserve, e.sid, n)
+        except shmkv.CacheFullError:
+            self.on_full("reserve")
+            return False
+        except shmkv.SequenceNotFound as ex:
+            self.own_vanished(e, ex)
+            return False
+        bs = self.bs
         want = (e.conf + np.arange(n)) % bs
         if slots.shape != (n,) or not np.array_equal(slots % bs, want):
             self.fail("exception", f"reserve({e.sid}, {n}) at {e.conf}: slots {slots}")
@@ -686,8 +1095,17 @@ class Worker:
             order = order[::-1]
         for layer in order:
             self.call("write", self.cache.write, int(layer), slots, k[layer], v[layer])
+        if tok:
+            try:
+                got = self.call("commit", self.cache.commit, e.sid)
+            except shmkv.SequenceNotFound as ex:
+                self.own_vanished(e, ex)
+                return False
+            self.bump("commits")
+            self.bump("committed_blocks", got)
         e.conf += n
         self.J.write(e.sid % self.NS, e)
+        return True
 
     def own_vanished(self, e, ex):
         self.fail("lost_sequence", f"sequence {e.sid} vanished while its owner (us) is "
@@ -697,6 +1115,9 @@ class Worker:
         e.state = FREED
         self.J.write(slot, e)
         self.J.unlock(slot)
+
+    def child_flags(self, e):
+        return F_RESERVE_OK | (e.flags & (F_TOK | (3 << SALT_SHIFT)))
 
     def op_fork_own(self, e):
         if not self.mine(e):
@@ -713,17 +1134,24 @@ class Worker:
         if lc != e.conf:
             self.fail("lost_tokens" if lc < e.conf else "torn_publish",
                       f"fork({e.sid}) -> {child} has {lc} tokens, parent confirmed {e.conf}")
-        segs = [s for s in e.segs if s[0] < lc] + [(lc, self.new_seed())]
-        self.adopt_child(child, lc, segs)
+        if e.trim and self.rng.random() < 0.3:
+            t = self.call("trimmed", self.cache.trimmed, child)
+            if t != e.trim:
+                self.fail("bad_trim", f"fork({e.sid}) -> {child}: trimmed() says {t}, the "
+                                      f"parent's trims dropped {e.trim}; {e}")
+        o = int(self.codec.orig_e(e, lc, lc + 1)[0])
+        segs = [s for s in e.segs if s[0] < o] + [(o, self.new_seed())]
+        self.adopt_child(child, lc, segs, self.child_flags(e), e.trim, e.sink)
         if self.rng.random() < 0.7:        # append to both: the shared partial block
             self.op_append_own(e)
 
-    def adopt_child(self, child, lc, segs):
+    def adopt_child(self, child, lc, segs, flags=F_RESERVE_OK, trim=0, sink=0):
         cslot = child % self.NS
         if not self.claim_new(cslot, child):
             self.call("free", self.cache.free, child)
             return None
-        ce = Entry(child, OWNED, holder=self.me, flags=F_RESERVE_OK, conf=lc, segs=segs)
+        ce = Entry(child, OWNED, holder=self.me, flags=flags, conf=lc, segs=segs,
+                   trim=trim, sink=sink)
         self.J.write(cslot, ce)
         self.own[cslot] = ce
         if len(self.own) > self.MAX_OWN + 2:
@@ -732,29 +1160,47 @@ class Worker:
             self.op_append_own(ce)
         return ce
 
-    def check_data(self, e, k, v, where, conf=None, inflight=None):
-        """Compare gathered tokens [0, n) with the lineage of e.  conf: the confirmed
-        length (every token below it must be there and right).  inflight: (L, n) of an
-        append that may or may not have published."""
+    def check_data(self, e, k, v, where, conf=None, inflight=None, trim=None):
+        """Compare gathered tokens [0, n) with the lineage of e (trimmed by `trim`, default
+        e.trim).  conf: the confirmed length (every token below it must be there and
+        right).  inflight: (L, n) of an append that may or may not have published."""
         n = k.shape[1]
         conf = e.conf if conf is None else conf
+        trim = e.trim if trim is None else trim
         if n < conf:
             self.fail("lost_tokens", f"{where}: sequence {e.sid} has {n} tokens, "
                                      f"{conf} were confirmed; {e}")
             self.bump("lost_token_count", conf - n)
-        bad = self.codec.mismatch(k, v, e.segs, 0) if n else np.zeros(0, bool)
+        pos = self.codec.orig(e.sink, trim, 0, n)
+        bad = self.codec.mismatch_at(k, v, e.segs, pos)
         idx = np.flatnonzero(bad)
         if idx.size:
             i, cnt = int(idx[0]), int(idx.size)
             lost = int(bad[:conf].sum())
             kind = "lost_tokens" if i < conf else "torn_publish"
-            self.fail(kind, f"{where}: sequence {e.sid}: token {i} of {n} differs from "
-                            f"what its writer appended ({cnt} tokens differ, confirmed "
-                            f"{conf}, in flight {inflight}); {e}")
+            self.fail(kind, f"{where}: sequence {e.sid}: token {i} (position {int(pos[i])}) "
+                            f"of {n} differs from what its writer appended ({cnt} tokens "
+                            f"differ, confirmed {conf}, in flight {inflight}, trimmed "
+                            f"{trim}); {e}")
             if lost:
                 self.bump("lost_token_count", lost)
         self.bump("tokens_verified", n)
         self.bump("seqs_verified")
+
+    def check_ids(self, e, n, where, trim=None):
+        """token_ids() of a tokened sequence: the ids of its lineage at every position."""
+        if not e.flags & F_TOK or n == 0:
+            return
+        trim = e.trim if trim is None else trim
+        got = self.call("token_ids", self.cache.token_ids, e.sid)
+        want = self.codec.tid(e.segs, self.codec.orig(e.sink, trim, 0, n))
+        if got.shape != want.shape or not np.array_equal(got, want):
+            m = min(got.size, want.size)
+            bad = np.flatnonzero(got[:m] != want[:m])
+            i = int(bad[0]) if bad.size else m
+            self.fail("bad_ids", f"{where}: token_ids({e.sid}) has {got.size} ids, token {i} "
+                                 f"differs from the id it was given ({bad.size} differ); {e}")
+        self.bump("ids_verified", n)
 
     def gather(self, sid, n_hint=None):
         if n_hint is not None and self.rng.random() < 0.3:
@@ -774,11 +1220,18 @@ class Worker:
             self.fail("lost_tokens" if k.shape[1] < e.conf else "torn_publish",
                       f"own sequence {e.sid} has {k.shape[1]} tokens, we appended {e.conf}")
         self.check_data(e, k, v, "own")
+        if self.rng.random() < 0.5:
+            self.check_ids(e, k.shape[1], "own")
+        if e.trim or self.rng.random() < 0.2:
+            t = self.call("trimmed", self.cache.trimmed, e.sid)
+            if t != e.trim:
+                self.fail("bad_trim", f"own sequence {e.sid}: trimmed() says {t}, its trims "
+                                      f"dropped {e.trim}; {e}")
         if e.conf and self.rng.random() < 0.3:      # a token range
             a = self.rng.randrange(e.conf)
             b = self.rng.randint(a, e.conf)
             kk, vv = self.call("gather", self.cache.gather, e.sid, a, b)
-            ek, ev = self.codec.make(e.segs, a, b)
+            ek, ev = self.codec.make_at(e.segs, self.codec.orig_e(e, a, b))
             if not (np.array_equal(kk, ek) and np.array_equal(vv, ev)):
                 self.fail("lost_tokens", f"gather({e.sid}, {a}, {b}) differs; {e}")
 
@@ -801,16 +1254,158 @@ class Worker:
         if np.count_nonzero(self.J.hints.copy()) > 2 * self.POOL_TARGET:
             return self.op_free_own(e)             # the pool is big enough
         slot = e.sid % self.NS
-        e.intent = I_DETACH
-        self.J.write(slot, e)
+        self.J.gate_shared()                       # no evict() while a detach is on
         try:
-            self.call("detach", self.cache.detach, e.sid)
-        except shmkv.SequenceNotFound as ex:
-            return self.own_vanished(e, ex)
-        e.state, e.intent, e.flags = DETACHED, I_NONE, 0
-        self.J.write(slot, e)
+            e.intent = I_DETACH
+            self.J.write(slot, e)
+            try:
+                self.call("detach", self.cache.detach, e.sid)
+            except shmkv.SequenceNotFound as ex:
+                return self.own_vanished(e, ex)
+            e.state, e.intent = DETACHED, I_NONE
+            e.flags &= ~F_RESERVE_OK
+            self.J.write(slot, e)
+        finally:
+            self.J.gate_release()
         self.own.pop(slot, None)
         self.J.unlock(slot)
+
+    # -- trim, evict, priority -------------------------------------------------------------
+    def trim_plan(self, e):
+        """(sink_tokens, window_tokens, tokens it must drop) for a trim of e, or None."""
+        bs, n = self.bs, e.conf
+        sink = e.sink or self.rng.choice((1, 1, 2))
+        sink_tokens = sink * bs - self.rng.randrange(bs)      # rounds up to `sink` blocks
+        win = self.rng.randint(1, 3 * bs)
+        nb = -(-n // bs)
+        first_kept = (n - win) // bs if win < n else 0
+        d = first_kept - min(sink, nb)
+        if d <= 0:
+            return None
+        return sink, sink_tokens, win, d * bs
+
+    def do_trim(self, slot, e, where):
+        """trim_streaming of e (ours, or a pool sequence we claimed) under an I_TRIM
+        intent; checks what it returns, seq_len, trimmed() and the kept data."""
+        plan = self.trim_plan(e)
+        if plan is None:
+            return False
+        sink, sink_tokens, win, drop = plan
+        e.sink = sink
+        e.intent, e.i_len, e.i_n = I_TRIM, e.conf, drop
+        self.J.write(slot, e)
+        self.on_pool = where == "pool"
+        try:
+            got = self.call("trim", self.cache.trim_streaming, e.sid, sink_tokens, win)
+        finally:
+            self.on_pool = False
+        if got != drop:
+            self.fail("bad_trim", f"{where}: trim_streaming({e.sid}, {sink_tokens}, {win}) "
+                                  f"at length {e.conf} dropped {got} tokens, expected {drop}")
+        n = self.call("seq_len", self.cache.seq_len, e.sid)
+        t = self.call("trimmed", self.cache.trimmed, e.sid)
+        if n != e.conf - got or t != e.trim + got:
+            self.fail("bad_trim", f"{where}: after trim_streaming({e.sid}) dropped {got}: "
+                                  f"seq_len {n} (expected {e.conf - got}), trimmed {t} "
+                                  f"(expected {e.trim + got}); {e}")
+        e.conf -= got
+        e.trim += got
+        e.intent = I_NONE
+        self.J.write(slot, e)
+        self.bump("trims")
+        self.bump("trimmed_tokens", got)
+        if self.rng.random() < 0.5:
+            k, v = self.call("gather", self.cache.gather, e.sid)
+            self.check_data(e, k, v, f"{where} after trim")
+            self.check_ids(e, k.shape[1], f"{where} after trim")
+        return True
+
+    def op_trim_own(self, e):
+        if not self.mine(e):
+            return
+        if self.trim_plan(e) is None:
+            return self.op_append_own(e)
+        try:
+            self.do_trim(e.sid % self.NS, e, "own")
+        except shmkv.SequenceNotFound as ex:
+            self.own_vanished(e, ex)
+
+    def op_priority_or_match(self, e):
+        if self.rng.random() < 0.5 and self.mine(e):
+            try:
+                self.call("set_priority", self.cache.set_priority, e.sid, self.rng.randrange(4))
+            except shmkv.SequenceNotFound as ex:
+                self.own_vanished(e, ex)
+            return
+        f, j = self.rng.randrange(N_FAMILIES), self.rng.randrange(N_VARIANTS)
+        salt = self.rng.choice(SALT_PICK)
+        plen = self.rng.randint(2, self.max_len)
+        ids = self.codec.tid(self.prompts.segs(f, j, salt), np.arange(plen))
+        m = self.call("match_prefix", self.cache.match_prefix, ids, salt=SALTS[salt])
+        if m % self.bs or m > (plen - 1) // self.bs * self.bs:
+            self.fail("bad_hit", f"match_prefix of a {plen}-token prompt says {m}")
+        self.bump("matches")
+
+    def op_evict(self):
+        """evict() with an exclude list that leaves it exactly our own sequences, a pool
+        sequence or two we claimed (intent free), and dead processes' sequences; the
+        detach gate keeps new pool sequences from appearing meanwhile."""
+        if not self.J.gate_exclusive():
+            self.bump("claim_busy")
+            return
+        claimed = {}
+        try:
+            for _ in range(self.rng.randint(0, 2)):
+                slot = self.pick_pool()
+                if slot is None or slot in self.own or slot in claimed or slot in self.J.held:
+                    continue
+                if not self.J.try_lock(slot):
+                    continue
+                e = self.J.read(slot)
+                if e is None or e.state != DETACHED or e.intent != I_NONE:
+                    self.J.unlock(slot)
+                    continue
+                e.intent = I_FREE
+                self.J.write(slot, e)
+                claimed[slot] = e
+            listing = self.call("evict", self.cache.sequences)
+            mine = {e.sid for e in self.own.values()} | {e.sid for e in claimed.values()}
+            exclude = set(listing) - mine
+            st = self.call("stats", self.cache.stats)
+            need = min(self.cfg.num_blocks, st["free_blocks"] + self.rng.randint(1, 48))
+            policy = self.rng.choice(("lru", "lfu", "longest", "priority"))
+            self.bump("evict_calls")
+            evicted = self.call("evict", self.cache.evict, policy, need, exclude=sorted(exclude))
+        finally:
+            self.J.gate_release()
+        for sid in evicted:
+            slot = sid % self.NS
+            e = self.own.get(slot)
+            if e is not None and e.sid == sid:
+                e.state, e.intent = FREED, I_NONE
+                self.J.write(slot, e)
+                self.own.pop(slot, None)
+                self.J.unlock(slot)
+            elif slot in claimed and claimed[slot].sid == sid:
+                e = claimed.pop(slot)
+                e.state, e.intent = FREED, I_NONE
+                self.J.write(slot, e)
+                self.J.unlock(slot)
+            elif sid in exclude:
+                self.fail("bad_evict", f"evict({policy}, {need}) took sequence {sid}, which "
+                                       f"was excluded: {self.J.read(slot)}")
+            else:
+                self.bump("evicted_dead")        # a dead process's (reclaimable) sequence
+            try:
+                self.call("seq_len", self.cache.seq_len, sid)
+                self.fail("bad_evict", f"evict() returned {sid}, which is still there")
+            except shmkv.SequenceNotFound:
+                pass
+        self.bump("evicted", len(evicted))
+        for slot, e in claimed.items():            # not taken: back to the pool
+            e.intent = I_NONE
+            self.J.write(slot, e)
+            self.J.unlock(slot)
 
     # -- the pool of detached sequences ---------------------------------------------------
     def pick_pool(self):
@@ -821,11 +1416,14 @@ class Worker:
 
     def verify_claimed(self, slot, e):
         """We hold the slot's lock and e is DETACHED (or just became so): resolve what a
-        dead claimant left in flight, verify every token, write the resolved record.
-        Returns False if the sequence is gone (legitimately)."""
+        dead claimant left in flight, verify every token (and token id), write the
+        resolved record.  Returns False if the sequence is gone (legitimately)."""
+        self.on_pool = True
         try:
-            k, v = self.gather(e.sid)
+            k, v = self.gather(e.sid)      # first: waits out (recovers) a dead holder
+            t = self.call("trimmed", self.cache.trimmed, e.sid)
         except shmkv.SequenceNotFound:
+            self.on_pool = False
             if e.intent in (I_FREE, I_ADOPT):
                 e.state, e.intent = FREED, I_NONE
                 self.J.write(slot, e)
@@ -834,20 +1432,18 @@ class Worker:
             e.state, e.intent = FREED, I_NONE
             self.J.write(slot, e)
             return False
+        self.on_pool = False
         n = k.shape[1]
-        inflight = None
-        if e.intent == I_APPEND:
-            inflight = (e.i_len, e.i_n)
-            self.bump("resolved_inflight")
-            if n not in (e.i_len, e.i_len + e.i_n):
-                self.fail("torn_publish" if n > e.conf else "lost_tokens",
-                          f"sequence {e.sid}: an append of {e.i_n} tokens at {e.i_len} died "
-                          f"in flight; the sequence has {n} tokens (all or none expected)")
-        elif n != e.conf:
-            self.fail("lost_tokens" if n < e.conf else "torn_publish",
-                      f"detached sequence {e.sid} has {n} tokens, {e.conf} confirmed "
-                      f"and nothing in flight; {e}")
-        self.check_data(e, k, v, "pool claim", inflight=inflight)
+        if e.intent in (I_APPEND, I_TRIM):
+            self.bump("resolved_inflight" if e.intent == I_APPEND else "resolved_trims")
+        t_exp, conf, inflight, probs = resolve_record(e, n, t)
+        for kind, msg, lost in probs:
+            self.fail(kind, f"pool claim: sequence {e.sid}: {msg}; {e}")
+            if lost:
+                self.bump("lost_token_count", lost)
+        self.check_data(e, k, v, "pool claim", conf=min(conf, n) if probs else conf,
+                        inflight=inflight, trim=t_exp)
+        self.check_ids(e, n, "pool claim", trim=t_exp)
         if e.intent == I_ADOPT:
             live, detached = self.live_owner(e.sid)
             if live and not detached:
@@ -856,12 +1452,24 @@ class Worker:
                 self.J.write(slot, e)
                 return False
         e.conf = min(n, self.max_len)
-        e.intent, e.state, e.flags = I_NONE, DETACHED, 0
+        e.trim = t_exp
+        e.intent, e.state = I_NONE, DETACHED
+        e.flags &= ~F_RESERVE_OK
         self.J.write(slot, e)
         return True
 
-    def op_pool_claim(self, prefer_free=False):
+    def op_pool_claim(self, prefer_free=False, mode=None):
         slot = self.pick_pool()
+        if mode is not None:
+            # focused: look (a few picks) for a sequence where the call reaches the point
+            for _ in range(4):
+                e = self.J.read(slot) if slot is not None else None
+                if e is not None and e.state == DETACHED and (
+                        (mode == "append" and e.flags & F_TOK and not e.trim
+                         and e.conf + self.bs <= self.max_len)
+                        or (mode == "trim" and e.conf > 3 * self.bs)):
+                    break
+                slot = self.pick_pool()
         if slot is None or slot in self.own:
             return
         if not self.J.try_lock(slot):
@@ -877,7 +1485,12 @@ class Worker:
                 return
             npool = int(np.count_nonzero(self.J.hints.copy()))
             r = self.rng.random()
-            if prefer_free or (npool > self.POOL_TARGET and r < 0.8) or e.conf >= self.max_len - 8:
+            if mode == "append":
+                r = 0.5
+            elif mode == "trim":
+                r = 0.65
+            if prefer_free or (npool > self.POOL_TARGET and r < 0.8 and mode is None) \
+                    or e.conf >= self.max_len - 8:
                 e.intent = I_FREE
                 self.J.write(slot, e)
                 try:
@@ -887,11 +1500,20 @@ class Worker:
                                                f"under our claim: {e}")
                 e.state, e.intent = FREED, I_NONE
                 self.J.write(slot, e)
-            elif r < 0.70:
+            elif r < 0.60:
                 for _ in range(self.rng.randint(1, 3)):
                     if not self.pool_append(slot, e):
                         break
-            elif r < 0.80 and len(self.own) < self.MAX_OWN:
+            elif r < 0.70:
+                try:
+                    if not self.do_trim(slot, e, "pool"):
+                        self.pool_append(slot, e)
+                except shmkv.SequenceNotFound:
+                    self.fail("lost_sequence", f"detached sequence {e.sid} vanished "
+                                               f"under our claim: {e}")
+                    e.state, e.intent = FREED, I_NONE
+                    self.J.write(slot, e)
+            elif r < 0.78 and len(self.own) < self.MAX_OWN:
                 e.intent = I_ADOPT
                 self.J.write(slot, e)
                 try:
@@ -902,11 +1524,12 @@ class Worker:
                     e.state, e.intent = FREED, I_NONE
                     self.J.write(slot, e)
                     return
-                e.state, e.intent, e.holder, e.flags = OWNED, I_NONE, self.me, 0
+                e.state, e.intent, e.holder = OWNED, I_NONE, self.me
+                e.flags &= ~F_RESERVE_OK
                 self.J.write(slot, e)
                 self.own[slot] = e
                 keep = True
-            elif r < 0.90:
+            elif r < 0.88:
                 self.op_pool_fork(slot, e)
             else:
                 self.verify_claimed(slot, e)
@@ -918,12 +1541,20 @@ class Worker:
         n = self.pick_n(e)
         if n <= 0:
             return False
-        k, v = self.codec.make(e.segs, e.conf, e.conf + n)
+        k, v, ids = self.data_for(e, n)
+        if e.flags & F_TOK and self.rng.random() < 0.01:
+            e.flags &= ~F_TOK                      # (written with the intent, below)
+        tok = bool(e.flags & F_TOK)
         e.intent, e.i_len, e.i_n = I_APPEND, e.conf, n
         self.J.write(slot, e)
         self.J.busy[slot] = self.lane + 1         # readers and the controller aim here
+        self.on_pool = True
         try:
-            self.call("append", self.cache.append, e.sid, k, v)
+            if tok:
+                self.call("append_tok", self.cache.append, e.sid, k, v, tokens=ids)
+                self.bump("tok_appends")
+            else:
+                self.call("append", self.cache.append, e.sid, k, v)
         except shmkv.CacheFullError:
             e.intent = I_NONE
             self.J.write(slot, e)
@@ -937,6 +1568,7 @@ class Worker:
             return False
         finally:
             self.J.busy[slot] = 0
+            self.on_pool = False
         e.conf += n
         e.intent = I_NONE
         self.J.write(slot, e)
@@ -945,8 +1577,10 @@ class Worker:
 
     def op_pool_fork(self, slot=None, e=None):
         """Fork a pool sequence -- usually WITHOUT its claim, so the fork races with a
-        claimant appending to it (fork takes no sequence lock).  The child's inherited
-        prefix is taken from the data itself and checked against the parent's record."""
+        claimant appending to it or trimming it (fork takes no sequence lock).  The
+        child's inherited prefix is taken from the data itself and checked against the
+        parent's record."""
+        claimed = e is not None
         if e is None:
             slot = self.pick_pool()
             if slot is None:
@@ -956,7 +1590,6 @@ class Worker:
                 return
         if len(e.segs) >= MAXSEG - 1:
             return
-        conf_before = e.conf
         try:
             child = self.call("fork", self.cache.fork, e.sid)
         except shmkv.SequenceNotFound:
@@ -964,32 +1597,87 @@ class Worker:
             return
         except shmkv.CacheFullError:
             return self.on_full("fork")
+        e2 = e if claimed else self.J.read(slot)
         lc = self.call("seq_len", self.cache.seq_len, child)
         k, v = self.call("gather", self.cache.gather, child)
+        t = self.call("trimmed", self.cache.trimmed, child)
         if k.shape[1] != lc:
             self.fail("torn_publish", f"fork child {child}: seq_len {lc}, gather {k.shape[1]}")
-        if lc < conf_before:
-            self.fail("lost_tokens", f"fork({e.sid}) -> {child} has {lc} tokens, the "
-                                     f"parent had {conf_before} confirmed; {e}")
-            self.bump("lost_token_count", conf_before - lc)
-        try:
-            segs = self.codec.derive(k, v)
-        except DataError as ex:
-            self.fail("garbage", f"fork({e.sid}) -> {child} at {lc}: {ex}; parent {e}")
+        got = self.check_pool_read(e, e2, k, v, f"fork({e.sid}) -> {child}")
+        if got is None:
             self.call("free", self.cache.free, child)
             return
-        m = min(lc, conf_before)
-        if m:
-            i, cnt = self.codec.first_mismatch(k[:, :m], v[:, :m], e.segs, 0)
-            if i is not None:
-                self.fail("lost_tokens", f"fork({e.sid}) -> {child}: inherited token {i} "
-                                         f"differs from the parent's record ({cnt}); {e}")
-                self.bump("lost_token_count", cnt)
+        segs, pos, m, tr = got
+        if t != tr:
+            self.fail("bad_trim", f"fork({e.sid}) -> {child}: trimmed() says {t}, its data "
+                                  f"says {tr} tokens were dropped; parent {e}")
         self.bump("tokens_verified", lc)
         if len(segs) >= MAXSEG - 1:
             self.call("free", self.cache.free, child)
             return
-        self.adopt_child(child, lc, segs + [(lc, self.new_seed())])
+        # the child is tokened if the parent was, before the fork and after it (an
+        # untokened append clears the flag in the record BEFORE it runs)
+        flags = F_RESERVE_OK | (e.flags & (3 << SALT_SHIFT))
+        if e.flags & F_TOK and e2 is not None and e2.sid == e.sid and e2.flags & F_TOK:
+            flags |= F_TOK
+        o = int(pos[-1]) + 1 if lc else 0
+        self.adopt_child(child, lc, segs + [(o, self.new_seed())], flags, tr,
+                         m // self.bs if tr else 0)
+
+    def check_pool_read(self, e1, e2, k, v, where):
+        """A read of a pool sequence nobody let us hold: e1 its record read before the
+        data (None: not read), e2 after it.  The data must be a well-formed (maybe
+        trimmed) lineage; every token the records confirm must be there and right, in
+        the places the trims that can have happened leave it.  Returns derive_full's
+        (segs, positions, m, trim) or None (garbage: reported)."""
+        n = k.shape[1]
+        try:
+            segs, pos, m, tr = self.codec.derive_full(k, v)
+        except DataError as ex:
+            self.fail("garbage", f"{where} ({n} tokens): {ex}; record {e1 or e2}")
+            return None
+        first = e1 if e1 is not None else e2
+        if first is None or first.state == EMPTY:
+            return segs, pos, m, tr
+        # records of this sequence (its lineage never changes; freed or adopted since
+        # does not matter for what the data read before could show)
+        recs = [r for r in (e1, e2) if r is not None and r.sid == first.sid]
+        bs = self.bs
+        lo = e1.trim if e1 is not None else 0
+        if e2 is not None and e2.sid == first.sid:
+            hi = max(r.trim + (r.i_n if r.intent == I_TRIM else 0) for r in recs)
+        else:
+            hi = 1 << 40          # no record after the read: a later trim can have come
+        if tr and not (lo <= tr <= hi):
+            self.fail("bad_trim", f"{where}: the data shows {tr} tokens dropped after token "
+                                  f"{m}; the records allow {lo}..{hi}: {recs}")
+        sink = max(r.sink for r in recs)
+        if tr and sink and m != sink * bs:
+            self.fail("bad_trim", f"{where}: the data is trimmed after token {m}, the sink "
+                                  f"is {sink} blocks: {recs}")
+        r0 = recs[0]
+        # confirmed original positions: below the end of what the record confirmed
+        if r0.conf:
+            end = int(self.codec.orig_e(r0, r0.conf - 1, r0.conf)[0]) + 1
+            sel = np.flatnonzero(pos < end)
+            if sel.size:
+                ks, vs = k[:, sel], v[:, sel]
+                i, cnt = self.codec.first_mismatch_at(ks, vs, r0.segs, pos[sel])
+                if i is not None:
+                    i = int(sel[i])
+                    self.fail("lost_tokens", f"{where}: confirmed token {i} (position "
+                                             f"{int(pos[i])}) differs ({cnt}); {r0}")
+                    self.bump("lost_token_count", cnt)
+        # its length: appends only grow it; checkable when no trim can have come between
+        if e1 is not None and e1 in recs and e2 is not None and e2.sid == e1.sid and \
+                e1.intent != I_TRIM and e2.intent != I_TRIM and e2.trim == e1.trim:
+            if n < e1.conf:
+                self.fail("lost_tokens", f"{where}: {n} tokens, {e1.conf} confirmed; {e1}")
+                self.bump("lost_token_count", e1.conf - n)
+            if tr != e1.trim:
+                self.fail("bad_trim", f"{where}: the data shows {tr} tokens dropped, the "
+                                      f"record {e1.trim} and no trim since; {e1}")
+        return segs, pos, m, tr
 
     def op_pool_read(self):
         """Read a pool sequence nobody here holds: gather (sequence lock) or a lock-free
@@ -997,38 +1685,30 @@ class Worker:
         path); check its structure, and its prefix against the journal.  Half the time
         aim at a sequence some worker is appending to right now (paged read: a gather
         would wait for the append to finish)."""
-        slot, busy = None, False
         if self.rng.random() < 0.5:
             idx = np.flatnonzero(self.J.busy.copy())
             if idx.size:
-                slot, busy = int(idx[self.rng.randrange(idx.size)]), True
+                slot = int(idx[self.rng.randrange(idx.size)])
                 sid = int(self.J.hints[slot])
                 if sid:                      # read first (fast), then consult the record
                     got = self.paged_read(sid)
                     if got is None:
                         return
                     k, v = got
-                    try:
-                        self.codec.derive(k, v)
-                    except DataError as ex:
-                        self.fail("garbage", f"paged read of {sid} during an append "
-                                             f"({k.shape[1]} tokens): {ex}")
-                        return
-                    e = self.J.read(slot)
-                    if e is not None and e.sid == sid:
-                        self.check_pool_prefix(e, k, v, "paged read during an append",
-                                               record_first=False)
+                    e2 = self.J.read(slot)
+                    if e2 is not None and e2.sid != sid:
+                        e2 = None
+                    self.check_pool_read(None, e2, k, v,
+                                         f"paged read of {sid} during an append")
                     self.bump("tokens_verified", k.shape[1])
                     return
-                slot = None
-        if slot is None:
-            slot = self.pick_pool()
+        slot = self.pick_pool()
         if slot is None:
             return
         e = self.J.read(slot)
         if e is None or e.state != DETACHED:
             return
-        if not busy and self.rng.random() < 0.5:
+        if self.rng.random() < 0.5:
             try:
                 k, v = self.gather(e.sid)
             except shmkv.SequenceNotFound:
@@ -1039,29 +1719,9 @@ class Worker:
             if got is None:
                 return
             k, v = got
-        n = k.shape[1]
-        try:
-            self.codec.derive(k, v)
-        except DataError as ex:
-            self.fail("garbage", f"pool read of {e.sid} ({n} tokens): {ex}; {e}")
-            return
-        self.check_pool_prefix(e, k, v, "pool read")
-        self.bump("tokens_verified", n)
-
-    def check_pool_prefix(self, e, k, v, where, record_first=True):
-        """A read of a pool sequence: every token the record confirms must be right, and
-        (if the record was read BEFORE the data) there."""
-        n = k.shape[1]
-        if record_first and n < e.conf:
-            self.fail("lost_tokens", f"{where} of {e.sid}: {n} tokens, {e.conf} confirmed; {e}")
-            self.bump("lost_token_count", e.conf - n)
-        m = min(n, e.conf)
-        if m:
-            i, cnt = self.codec.first_mismatch(k[:, :m], v[:, :m], e.segs, 0)
-            if i is not None:
-                self.fail("lost_tokens", f"{where} of {e.sid}: confirmed token {i} differs "
-                                         f"({cnt}); {e}")
-                self.bump("lost_token_count", cnt)
+        e2 = self.J.read(slot)
+        self.check_pool_read(e, e2, k, v, f"pool read of {e.sid}")
+        self.bump("tokens_verified", k.shape[1])
 
     def paged_read(self, sid):
         c, bs = self.cache, self.cfg.block_size
@@ -1089,12 +1749,13 @@ class Worker:
         k, v = np.stack(k), np.stack(v)
         self.lv[CNT_BASE + OP_INDEX["paged_read"]] += 1
         try:
-            tables2, _ = self.call("tables", c.batch_block_tables, [sid])
+            tables2, lens2 = self.call("tables", c.batch_block_tables, [sid])
         except shmkv.SequenceNotFound:
             self.bump("reads_discarded")
             return None
-        if tables2.shape[1] < nb or not np.array_equal(tables2[0, :nb], tab):
-            self.bump("reads_discarded")       # freed or copied-on-write meanwhile
+        if tables2.shape[1] < nb or not np.array_equal(tables2[0, :nb], tab) or \
+                int(lens2[0]) < n:
+            self.bump("reads_discarded")       # freed, copied-on-write or trimmed meanwhile
             return None
         return k, v
 
@@ -1157,6 +1818,7 @@ class Controller:
         self.points = list(_core.CRASH_POINTS)
         self.cp_deaths = {p: 0 for p in self.points}
         self.cp_armed = {p: 0 for p in self.points}
+        self.cp_ops = {p: {} for p in self.points}     # point -> the call it died in
         self.kills = 0                 # SIGKILLs landed on a running worker
         self.kills_quiesce = 0         # SIGKILLs of the kill-all audits
         self.restarts = 0
@@ -1181,6 +1843,12 @@ class Controller:
         self.aimed_kills = 0
         self.sabotaged = 0
         self.t_start = time.monotonic()
+        self.prompt_seed = self.rng.getrandbits(64)
+        self.index_blocks_verified = 0      # hashed blocks checked in audits
+        self.audit_probes = 0               # prompts probed in audits
+        self.audit_hit_blocks = 0           # blocks those probes shared, verified
+        self.resolved_trims_ctl = 0
+        self.views = None
 
     def cfail(self, kind, msg):
         self.fails[kind] += 1
@@ -1220,6 +1888,7 @@ class Controller:
             self.cache = shmkv.KVCache.create(self.name, cfg)
             self.cache.lock_timeout = a.lock_timeout
             self.codec = Codec(cfg)
+            self.prompts = Prompts(self.prompt_seed, cfg.block_size)
             self.J = Journal(os.path.join(self.tmp, "journal"), a.workers, cfg.max_seqs,
                              create=True)
             self.fail_path = os.path.join(self.tmp, "failures.jsonl")
@@ -1290,14 +1959,15 @@ class Controller:
             cands = [p for p in self.points if self.cp_deaths[p] == need]
             crash = self.rng.choice(cands)
             hi = {"recover_mid": 3, "create_mid": 4, "fork_mid": 3, "free_mid": 3,
-                  "cow_after_copy": 2, "cow_commit_mid": 2}.get(crash, 8)
+                  "cow_after_copy": 2, "cow_commit_mid": 2, "publish_mid": 3,
+                  "trim_mid": 2}.get(crash, 8)
             countdown = self.rng.randint(1, hi)
             self.cp_armed[crash] += 1
         args = {"name": self.name, "journal": self.J.path, "failures": self.fail_path,
                     "lanes": a.workers, "max_seqs": self.cfg.max_seqs, "lane": lane, "inc": self.inc,
                     "seed": self.rng.getrandbits(64), "crash": crash, "countdown": countdown,
                     "plant": a.plant, "bound": a.bound, "lock_timeout": a.lock_timeout,
-                    "t_start_ns": time.time_ns()}
+                    "t_start_ns": time.time_ns(), "prompt_seed": self.prompt_seed}
         self.J.lanes[lane, LF["ready"]] = 0
         import chaos
         p = self.ctx.Process(target=chaos.worker_entry, args=(args,), daemon=True)
@@ -1336,6 +2006,13 @@ class Controller:
         code = p.exitcode
         if code == 86 and w["crash"]:
             self.cp_deaths[w["crash"]] += 1
+            cur = int(self.J.lanes[lane, LF["cur_op"]])
+            if self.J.lanes[lane, LF["inc"]] != w["inc"] or cur <= 0:
+                what = "attach"                  # before the worker's first call
+            else:
+                what = OPS[cur % POOL_OP - 1] + (" (pool)" if cur >= POOL_OP else "")
+            d = self.cp_ops[w["crash"]]
+            d[what] = d.get(what, 0) + 1
         elif code == -signal.SIGKILL and w["killed"]:
             if w["crash"]:
                 self.armed_survived += 1
@@ -1417,8 +2094,19 @@ class Controller:
         return self._summary()
 
     def _sabotage(self):
-        """Harness self-test: damage a detached sequence behind the workers' backs, the
-        way a core bug would; the run must catch it."""
+        """Harness self-test: damage a detached sequence, or a cached block that is still
+        findable, behind the workers' backs, the way a core bug would; the run must
+        catch it."""
+        if self.args.sabotage == "corrupt_cached":
+            snap = _core.snapshot(self.name, tables=False)
+            cached = np.flatnonzero((np.asarray(snap["block_flags"]) & 1)
+                                    & (np.asarray(snap["ref_cnt"]) == 0))
+            if cached.size:
+                b = int(cached[self.rng.randrange(cached.size)])
+                t = self.rng.randrange(self.cfg.block_size)
+                self.cache.value_cache(self.cfg.num_layers - 1)[b, t] += 1
+                self.sabotaged += 1
+            return
         idx = np.flatnonzero(self.J.hints.copy())
         if idx.size == 0:
             return
@@ -1542,6 +2230,10 @@ class Controller:
             return
         locked = self._block_audit()
         self._journal_audit(locked)
+        self._index_audit()
+        problems = self.ccall(c.check)
+        if problems:
+            self.cfail("invariant", f"check() after the audit's prefix lookups: {problems[:8]}")
 
     def _block_audit(self):
         """Independent of check(): recount every block's references from the read-only
@@ -1632,33 +2324,123 @@ class Controller:
                                       f"(owner pid {c.owner_pid(sid)})")
 
     def _verify_detached(self, slot, e):
-        k, v = self.ccall(self.cache.gather, e.sid)
+        c = self.cache
+        k, v = self.ccall(c.gather, e.sid)
         n = k.shape[1]
-        conf = e.conf
-        if e.intent == I_APPEND:
-            ok_lens = (e.i_len, e.i_len + e.i_n)
-        else:
-            ok_lens = (conf,)
-        if n not in ok_lens:
-            kind = "lost_tokens" if n < conf else "torn_publish"
-            self.cfail(kind, f"detached sequence {e.sid} has {n} tokens, expected one of "
-                             f"{ok_lens}: {e}")
-            if n < conf:
-                self.lost_tokens_ctl += conf - n
-        bad = self.codec.mismatch(k, v, e.segs, 0) if n else np.zeros(0, bool)
+        t = self.ccall(c.trimmed, e.sid)
+        if e.intent == I_TRIM:
+            self.resolved_trims_ctl += 1
+        t_exp, conf, inflight, probs = resolve_record(e, n, t)
+        for kind, msg, lost in probs:
+            self.cfail(kind, f"detached sequence {e.sid}: {msg}: {e}")
+            self.lost_tokens_ctl += lost
+        pos = self.codec.orig(e.sink, t_exp, 0, n)
+        bad = self.codec.mismatch_at(k, v, e.segs, pos)
         idx = np.flatnonzero(bad)
         if idx.size:
             i, cnt = int(idx[0]), int(idx.size)
             lost = int(bad[:conf].sum())
             self.lost_tokens_ctl += lost
             self.cfail("lost_tokens" if i < conf else "torn_publish",
-                       f"detached sequence {e.sid}: token {i} of {n} differs from what its "
-                       f"writers appended ({cnt} differ, {lost} of them confirmed): {e}")
+                       f"detached sequence {e.sid}: token {i} (position {int(pos[i])}) of {n} "
+                       f"differs from what its writers appended ({cnt} differ, {lost} of "
+                       f"them confirmed; in flight {inflight}): {e}")
+        if e.flags & F_TOK and n:
+            got = self.ccall(c.token_ids, e.sid)
+            want = self.codec.tid(e.segs, pos)
+            if not np.array_equal(got, want):
+                i = int(np.flatnonzero(got != want)[0])
+                self.cfail("bad_ids", f"detached sequence {e.sid}: token_ids()[{i}] is "
+                                      f"{int(got[i])}, it was given {int(want[i])}: {e}")
         self.seqs_verified_ctl += 1
         self.tokens_verified_ctl += n
         e.conf = n
+        e.trim = t_exp
         e.intent = I_NONE
         self.J.write(slot, e)
+
+    def _index_audit(self):
+        """The prefix index after recovery, with every worker dead.  (1) Every hashed
+        (findable) block, read raw: its K/V must be one whole block of a lineage at its
+        own positions, and its token ids those of that lineage -- a block published
+        before it was written, or reused while still findable, shows.  (2) Every shared
+        prompt (each family, variant and salt) and every surviving tokened sequence's
+        ids are looked up: create_sequence(tokens=) must share exactly the blocks
+        match_prefix() promised, and they must hold exactly that prompt's K/V and ids
+        (a wrong hit, a hit across salts, a chain that lost its head all show)."""
+        c, cfg, bs = self.cache, self.cfg, self.cfg.block_size
+        snap = _core.snapshot(self.name, tables=False)
+        hashed = np.flatnonzero(np.asarray(snap["block_flags"]) & 1)
+        if self.views is None:
+            self.views = [(c.key_cache(l), c.value_cache(l)) for l in range(cfg.num_layers)]
+        off = _core.layout_of(cfg)["off_tokens"]
+        fd = os.open(f"/dev/shm/{self.name}", os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, off + cfg.num_blocks * bs * 4, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            toks = np.frombuffer(mm, np.int32, cfg.num_blocks * bs, off).reshape(-1, bs).copy()
+        finally:
+            mm.close()
+        nbad = 0
+        for b in hashed.tolist():
+            k = np.stack([self.views[l][0][b] for l in range(cfg.num_layers)])
+            v = np.stack([self.views[l][1][b] for l in range(cfg.num_layers)])
+            err = self.codec.check_block(k, v, toks[b])
+            if err:
+                nbad += 1
+                if nbad <= 5:
+                    self.cfail("bad_index", f"hashed block {b} (ref_cnt "
+                                            f"{int(snap['ref_cnt'][b])}): {err}")
+        self.index_blocks_verified += int(hashed.size)
+        # lookups: the shared prompts at full length, and the survivors' own ids
+        probes = []
+        for f, j, salt in self.prompts.all():
+            probes.append((self.prompts.segs(f, j, salt), self.max_len_tokens(), salt,
+                           f"prompt f{f} v{j} salt {SALTS[salt]}"))
+        for slot in range(cfg.max_seqs):
+            e = self.J.read(slot)
+            if e is not None and e.state == DETACHED and e.flags & F_TOK and not e.trim \
+                    and e.conf > bs:
+                probes.append((e.segs, e.conf, e.salt, f"the ids of detached {e.sid}"))
+        for segs, plen, salt, what in probes:
+            self._probe(segs, plen, salt, what)
+
+    def max_len_tokens(self):
+        return self.cfg.max_blocks_per_seq * self.cfg.block_size
+
+    def _probe(self, segs, plen, salt, what):
+        c, bs = self.cache, self.cfg.block_size
+        ids = self.codec.tid(segs, np.arange(plen))
+        m = self.ccall(c.match_prefix, ids, salt=SALTS[salt])
+        try:
+            sid = self.ccall(c.create_sequence, tokens=ids, salt=SALTS[salt])
+        except shmkv.CacheFullError:
+            return
+        try:
+            h = self.ccall(c.seq_len, sid)
+            self.audit_probes += 1
+            if h != m or h % bs or h > (plen - 1) // bs * bs:
+                self.cfail("bad_hit", f"audit, {what}: match_prefix says {m} tokens, "
+                                      f"create_sequence(tokens=) shares {h}")
+            if h:
+                k, v = self.ccall(c.gather, sid)
+                i, cnt = self.codec.first_mismatch(k, v, segs, 0)
+                if i is not None:
+                    self.cfail("bad_hit", f"audit, {what}: shared token {i} of {h} (block "
+                                          f"{i // bs}, physical "
+                                          f"{int(c.block_table(sid)[i // bs])}) is not the "
+                                          f"prompt's ({cnt} tokens differ)")
+                got = self.ccall(c.token_ids, sid)
+                if not np.array_equal(got, ids[:h]):
+                    i = int(np.flatnonzero(got != ids[:h])[0])
+                    self.cfail("bad_hit", f"audit, {what}: shared token {i} of {h} has id "
+                                          f"{int(got[i])}, the prompt's is {int(ids[i])}")
+                self.audit_hit_blocks += h // bs
+                self.tokens_verified_ctl += h
+        finally:
+            self.ccall(c.free, sid)
 
     # -- the report ----------------------------------------------------------------------
     def _read_failures(self):
@@ -1692,6 +2474,8 @@ class Controller:
             "sigkills_in_audits": self.kills_quiesce,
             "sigkills_total": self.kills + self.kills_quiesce,
             "crash_point_deaths": dict(self.cp_deaths), "crash_points_armed": dict(self.cp_armed),
+            "crash_point_calls": {p: dict(sorted(d.items(), key=lambda x: -x[1]))
+                                  for p, d in self.cp_ops.items()},
             "armed_then_sigkilled": self.armed_survived, "restarts": self.restarts,
             "audits": self.audits, "checks": self.checks,
             "recoveries": st["recoveries"], "lock_owner_dead": st["lock_owner_dead"],
@@ -1715,6 +2499,27 @@ class Controller:
             "failures": fails, "failure_total": sum(fails.values()),
             "exits_other": self.exit_other, "hung_workers": self.hung_workers,
             "sabotage": a.sabotage, "sabotaged": self.sabotaged,
+            "prefix": {
+                "prompt_creates": lf["prompt_creates"],
+                "hit_blocks_verified_by_workers": lf["prefix_hit_blocks"],
+                "hit_tokens_verified_by_workers": lf["prefix_hit_tokens_verified"],
+                "audit_probes": self.audit_probes,
+                "audit_hit_blocks_verified": self.audit_hit_blocks,
+                "hashed_blocks_verified_in_audits": self.index_blocks_verified,
+                "token_ids_verified": lf["ids_verified"],
+                "tokened_appends": lf["tok_appends"], "commits": lf["commits"],
+                "committed_blocks": lf["committed_blocks"],
+                "trims": lf["trims"], "trimmed_tokens": lf["trimmed_tokens"],
+                "inflight_trims_resolved": lf["resolved_trims"] + self.resolved_trims_ctl,
+                "evict_calls": lf["evict_calls"], "evicted": lf["evicted"],
+                "evicted_dead_owners": lf["evicted_dead"], "match_prefix_calls": lf["matches"],
+                "live_hit_blocks": (st.get("prefix_hits", 0) // self.cfg.block_size
+                                    - st.get("cached_blocks_reused", 0)),
+                "segment": {k: st.get(k, 0) for k in (
+                    "prefix_queries", "prefix_hits", "cached_blocks_reused",
+                    "cached_blocks_evicted", "trimmed_blocks", "evictions_lru",
+                    "evictions_lfu", "evictions_longest", "evictions_priority")},
+            },
         }
         lines = self._read_failures() + self.fail_lines
         per_kind = {}
@@ -1758,6 +2563,21 @@ class Controller:
             ("longest recovery (max_recovery_s)", f"{r['max_recovery_s']:.6f}"),
             ("sequences / tokens verified", f"{r['sequences_verified']} / {r['tokens_verified']}"),
             ("in-flight appends resolved after a death", r["inflight_appends_resolved"]),
+            ("prompts created with tokens= (create_sequence)", r["prefix"]["prompt_creates"]),
+            ("prefix-hit blocks verified (workers / audits)",
+             (f"{r['prefix']['hit_blocks_verified_by_workers']} / "
+              f"{r['prefix']['audit_hit_blocks_verified']} ({r['prefix']['audit_probes']} probes)")),
+            ("prefix-hit blocks live / cached; cached evicted",
+             (f"{r['prefix']['live_hit_blocks']} / "
+              f"{r['prefix']['segment']['cached_blocks_reused']}; "
+              f"{r['prefix']['segment']['cached_blocks_evicted']}")),
+            ("hashed blocks verified raw in audits", r["prefix"]["hashed_blocks_verified_in_audits"]),
+            ("token ids verified", r["prefix"]["token_ids_verified"]),
+            ("trims / in-flight trims resolved",
+             f"{r['prefix']['trims']} / {r['prefix']['inflight_trims_resolved']}"),
+            ("evict() calls / sequences evicted (of dead owners)",
+             (f"{r['prefix']['evict_calls']} / {r['prefix']['evicted']} "
+              f"({r['prefix']['evicted_dead_owners']})")),
             ("max blocked call (s)", f"{r['max_blocked_s']} ({r['max_blocked_op']}; bound {r['bound_s']})"),
             ("hung workers (no call returned)", r["hung_workers"]),
             ("invariant failures", r["failures"]["invariant"]),
@@ -1770,7 +2590,8 @@ class Controller:
             print(f"  {k:<{w}}  {v}")
         print("  crash point deaths (armed):")
         for p, n in r["crash_point_deaths"].items():
-            print(f"    {p:<24} {n:5d}  ({r['crash_points_armed'][p]})")
+            calls = ", ".join(f"{k} {v}" for k, v in list(r["crash_point_calls"][p].items())[:4])
+            print(f"    {p:<24} {n:5d}  ({r['crash_points_armed'][p]})  in: {calls}")
         print("  calls (max seconds):")
         print("    " + ", ".join(f"{k} {r['ops'][k]} ({r['max_call_s'][k]})"
                                  for k in OPS if r["ops"][k]))
@@ -1805,12 +2626,12 @@ def parse_args(argv=None):
                    help="mean seconds between SIGKILL attempts: each picks a random running "
                         "worker whose life span is over (workers still starting are left to "
                         "the crash points)")
-    p.add_argument("--mean-life", type=float, default=0.35,
+    p.add_argument("--mean-life", type=float, default=0.25,
                    help="mean of the random (exponential) life span of a worker after it is "
                         "ready, before it may be SIGKILLed")
     p.add_argument("--aim", type=float, default=0.3,
                    help="fraction of SIGKILLs aimed at a worker that is inside a pool append")
-    p.add_argument("--arm", type=float, default=0.35,
+    p.add_argument("--arm", type=float, default=0.3,
                    help="fraction of restarted workers armed with a crash point")
     p.add_argument("--armed-grace", type=float, default=1.5,
                    help="seconds an armed worker is spared from SIGKILL")
@@ -1830,10 +2651,12 @@ def parse_args(argv=None):
     p.add_argument("--min-per-point", type=int, default=20,
                    help="deaths the run must see at every crash point")
     p.add_argument("--plant", choices=_core.PLANTED_BUGS, default=None)
-    p.add_argument("--sabotage", choices=("free_detached", "corrupt_data"), default=None,
+    p.add_argument("--sabotage", choices=("free_detached", "corrupt_data", "corrupt_cached"),
+                   default=None,
                    help="harness self-test: the controller frees a detached sequence / "
-                        "changes one confirmed token behind the workers' backs every check "
-                        "interval; the run must FAIL")
+                        "changes one confirmed token / changes one token of a cached, "
+                        "findable block behind the workers' backs every check interval; "
+                        "the run must FAIL")
     p.add_argument("--expect-failure", action="store_true",
                    help="exit 0 only if a failure was caught (for --plant)")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
