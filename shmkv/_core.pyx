@@ -351,7 +351,9 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
             except OSError as e:
                 raise OSError(e.errno, f"cannot reserve {lay.segment_size} bytes for "
                               f"{name!r} in /dev/shm: {e.strerror}") from None
-            m = _Mapping.map(fd, lay.segment_size, True, False)
+            # tmpfs zero-fills fallocated pages at first touch: populating here pays
+            # that once, at create, instead of on the first decode steps
+            m = _Mapping.map(fd, lay.segment_size, True, populate)
             st = shmkv_seg_init(m.base, &ccfg, os.getpid(), time.time_ns(),
                                 secrets.randbits(64))
             if st != SHMKV_OK:
