@@ -43,8 +43,9 @@ def llc_bytes() -> int:
 def memcpy_steady(nbytes: int, span: int, reps: int, min_sample_ns: float) -> dict:
     """Steady-state ns per memcpy of nbytes over a span (first pass cancelled).
 
-    A pilot (1 pass vs 3 passes) estimates the steady cost; each sample is then one call
-    of 1 pass and one call of k passes, with (k - 1) passes lasting >= min_sample_ns.
+    A pilot of 4 passes bounds the steady cost from above (it includes a quarter of the
+    first-pass faults); each sample is then one call of 1 pass and one call of k passes,
+    with (k - 1) passes lasting about min_sample_ns (at most 16 GiB copied per call).
     """
     span = max(span, nbytes)
     per = max(1, span // nbytes)
@@ -52,9 +53,9 @@ def memcpy_steady(nbytes: int, span: int, reps: int, min_sample_ns: float) -> di
     def total(passes):
         return _core.bench_memcpy(nbytes, per * passes, span) * per * passes
 
-    est = max((total(3) - total(1)) / (2 * per), 1.0)
+    est = max(total(4) / (4 * per), 1.0)
     k = 1 + max(2, math.ceil(min_sample_ns / (est * per)))
-    k = min(k, 1 + max(2, int(4e6 // per)))
+    k = min(k, 1 + max(2, (16 << 30) // (per * nbytes)))
     samples = []
     for _ in range(reps):
         t1 = total(1)

@@ -154,10 +154,21 @@ def targets_text(results):
 
 
 # ---- Markdown --------------------------------------------------------------------------
+SERVER_PEERS = ("naive shm+Manager", "Redis")     # work done in another process
+
+
+def _busy(r):
+    """Wall time well above this thread's CPU time, for work done in this thread: the
+    CPU was taken by other tasks while the sample ran."""
+    cpu = r.get("cpu_median_ns")
+    return bool(cpu) and r["impl"] not in SERVER_PEERS and r["median_ns"] > 1.25 * cpu
+
+
 def _cell(r, floor=None, base=None):
     if r is None:
         return "–"
-    s = f"**{fmt_ns(r['median_ns'])}**<br>{fmt_ns(r['p10_ns'])}–{fmt_ns(r['p90_ns'])}"
+    s = f"**{fmt_ns(r['median_ns'])}**{' †' if _busy(r) else ''}<br>" \
+        f"{fmt_ns(r['p10_ns'])}–{fmt_ns(r['p90_ns'])}"
     if floor:
         s += f"<br>×{r['median_ns'] / floor:.2f} floor"
     elif base:
@@ -190,7 +201,10 @@ def markdown(results, chart_rel="out/chart.png"):
           "inflated; `others_running` in results.json tags every record.\n")
     w("Each cell: **median** per call, p10–p90 over samples, and the ratio to the memcpy "
       "floor of the same bytes over the same working set (copy ops) or to shmkv "
-      "(peers, metadata ops).  Method, configs and peers: [README.md](README.md).\n")
+      "(peers, metadata ops).  † marks a median more than 25% above the calling thread's "
+      "CPU time per call: other tasks held the CPU during those samples (not applied to "
+      "the Manager and Redis peers, whose work runs in another process).  Method, configs "
+      "and peers: [README.md](README.md).\n")
     if results.get("skipped"):
         w("**Skipped:** " + "; ".join(f"{s['impl']} ({s['config']}): {s['reason']}"
                                       for s in results["skipped"]) + "\n")

@@ -44,17 +44,20 @@ def summarize(samples_ns) -> dict:
     }
 
 
-def _timed(run: Callable, state, calls: int) -> int:
+def _timed(run: Callable, state, calls: int) -> tuple:
+    """(wall ns, this thread's CPU ns) of one batch."""
     gc_was = gc.isenabled()
     gc.disable()
     try:
+        c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         run(state, calls)
         t1 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
     finally:
         if gc_was:
             gc.enable()
-    return t1 - t0
+    return t1 - t0, c1 - c0
 
 
 def measure(run: Callable, *, calls: int | None = None, max_calls: int = 1 << 20,
@@ -83,7 +86,7 @@ def measure(run: Callable, *, calls: int | None = None, max_calls: int = 1 << 20
     setup = setup or (lambda n: None)
     teardown = teardown or (lambda s: None)
 
-    def one(n: int) -> int:
+    def one(n: int) -> tuple:
         state = setup(n)
         try:
             return _timed(run, state, n)
@@ -95,19 +98,25 @@ def measure(run: Callable, *, calls: int | None = None, max_calls: int = 1 << 20
         n = 1
         one(1)                                  # first touch, outside calibration
         while True:
-            dt = max(one(n), 1)
+            dt = max(one(n)[0], 1)
             if dt >= target_sample_ns / 4 or n >= max_calls:
                 break
             n = min(n * 2, max_calls)
         calls = int(min(max_calls, max(1, math.ceil(n * target_sample_ns / dt))))
     for _ in range(warmup):
         one(calls)
-    samples = []
+    samples, cpu = [], []
     while len(samples) < repeat:
-        samples.append(one(calls) / calls)
+        wall, c = one(calls)
+        samples.append(wall / calls)
+        cpu.append(c / calls)
         if len(samples) >= min_repeat and time.monotonic() - t_start > max_seconds:
             break
     out = summarize(samples)
+    # CPU time of this thread per call: equal to the wall time on a quiet machine for
+    # work done in this thread; wall well above it means waiting (a server, a lock) or
+    # other tasks taking the CPU.  Diagnostic only; every figure reported is wall time.
+    out["cpu_median_ns"] = summarize(cpu)["median_ns"]
     out["calls_per_sample"] = calls
     out["wall_s"] = round(time.monotonic() - t_start, 3)
     return out
