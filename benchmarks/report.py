@@ -75,8 +75,11 @@ def evaluate_targets(results):
         hot = _med(recs, section="ops", op=op, config=cfg, impl="memcpy hot")
         cold = _med(recs, section="ops", op=op, config=cfg, impl="memcpy cold")
         note = (f"shmkv {fmt_ns(s)}, memcpy same working set {fmt_ns(f)}; "
-                f"x{_ratio(s, hot) or math.nan:.2f} of hot, x{_ratio(s, cold) or math.nan:.2f} "
+                f"×{_ratio(s, hot) or math.nan:.2f} of hot, ×{_ratio(s, cold) or math.nan:.2f} "
                 "of cold memcpy")
+        al = _med(recs, section="ops", op=op, config=cfg, impl="shmkv, out= at page+0")
+        if al and f:
+            note += f"; into page-aligned out= arrays {fmt_ns(al)} (×{al / f:.2f})"
         add(f"[{cfg}] {label} / memcpy floor", _ratio(s, f), limit, "x", note)
     add("[small] append 1 token (4 KiB)",
         _med(recs, section="ops", op="append1", config="small", impl="shmkv"), 2000, "ns")
@@ -248,8 +251,15 @@ def markdown(results, chart_rel="out/chart.png"):
             else:
                 kern = "–"
             npc = _find(recs, section="ops", op=op, config=cfg, impl="numpy copy")
+            scell = _cell(s, fl)
+            for off in (0, 16, 64):
+                d = _find(recs, section="ops", op=op, config=cfg,
+                          impl=f"shmkv, out= at page+{off}")
+                if d and fl:
+                    scell += (f"<br>out= at page+{off}: {fmt_ns(d['median_ns'])} "
+                              f"(×{d['median_ns'] / fl:.2f})")
             cells = [f"{op}: {_title(op)}" + (f" ({_bytes(s['nbytes'])})" if s and s.get(
-                "nbytes") else ""), _cell(s, fl), kern, _cell(f) if f else "–",
+                "nbytes") else ""), scell, kern, _cell(f) if f else "–",
                 _cell(npc, fl) if npc else "–"]
             for p in PEERS:
                 r = _find(recs, section="ops", op=op, config=cfg, impl=p)
@@ -352,7 +362,7 @@ def draw_chart(results, path):
     cfgs = [c for c in ("small", "llama") if _find(recs, section="ops", config=c, impl="shmkv")]
     sc = [r for r in recs if r.get("section") in ("scaling", "threads")]
     ncol = len(cfgs) + (1 if sc else 0)
-    fig, axes = plt.subplots(1, max(ncol, 1), figsize=(7.5 * max(ncol, 1), 7), squeeze=False)
+    fig, axes = plt.subplots(1, max(ncol, 1), figsize=(7.5 * max(ncol, 1), 8), squeeze=False)
     for ax, cfg in zip(axes[0], cfgs):
         ops = [o for o in ("life", "reserve1", "fork1k", "append1", "prefill512",
                            "gather1k_out", "gather1k_new", "bbt256")
@@ -378,7 +388,7 @@ def draw_chart(results, path):
         ax.set_xlabel("ns per call (median, p10–p90), log scale")
         ax.set_title(f"{cfg} config: shmkv vs peers vs memcpy floor")
         ax.grid(axis="x", which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
     if sc:
         ax = axes[0][-1]
         series = {}
@@ -394,7 +404,7 @@ def draw_chart(results, path):
         ax.set_ylabel("aggregate throughput vs 1")
         ax.set_title("scaling on one segment")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=1)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -212,6 +212,8 @@ def bench_shmkv(cfg_name, cfg, ops, wl, budget, progress):
                    "included, C loop")
         out.append(r)
         progress.result(r)
+        if "gather1k_out" in ops:
+            out += gather_alignment(cache, cfg_name, cfg, wl, budget, progress)
         # the cost of fresh arrays beside gather into fresh arrays
         if "gather1k_new" in ops:
             shape = (cfg.num_layers, 1024, cfg.num_kv_heads, cfg.head_dim)
@@ -245,6 +247,49 @@ def bench_shmkv(cfg_name, cfg, ops, wl, budget, progress):
     finally:
         cache.close()
         cache.unlink()
+    return out
+
+
+def page_aligned(shape, dtype, offset=0):
+    """An array whose data starts `offset` bytes past a page boundary."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 2 * 4096, np.uint8)
+    start = (-raw.ctypes.data) % 4096 + offset
+    a = raw[start:start + nbytes].view(dtype).reshape(shape)
+    a.fill(1)                                      # pages touched: no faults timed
+    return a
+
+
+def gather_alignment(cache, cfg_name, cfg, wl, budget, progress):
+    """gather1k_out into out= arrays placed at chosen offsets past a page boundary.
+    numpy's own large arrays start 16 bytes past one (the malloc header of an mmap'd
+    chunk); the pool's blocks start on one.  Diagnostic beside the default figure."""
+    out = []
+    shape = (cfg.num_layers, 1024, cfg.num_kv_heads, cfg.head_dim)
+    sid = cache.create_sequence()
+    try:
+        cache.append(sid, wl.kp, wl.vp)
+        cache.append(sid, wl.kp, wl.vp)
+        default = np.empty(shape, cfg.numpy_dtype)
+        for off in (0, 16, 64):
+            progress.step(f"{cfg_name}/shmkv/gather1k_out: out= at page offset {off}")
+            ko = page_aligned(shape, cfg.numpy_dtype, off)
+            vo = page_aligned(shape, cfg.numpy_dtype, off)
+
+            def run(_s, n, ko=ko, vo=vo):
+                for _ in range(n):
+                    cache.gather(sid, out=(ko, vo))
+            st = measure(run, calls=1, repeat=budget.repeat, min_repeat=budget.min_repeat,
+                         max_seconds=budget.max_seconds, warmup=budget.warmup)
+            r = record("ops", "gather1k_out", cfg_name, f"shmkv, out= at page+{off}", st,
+                       kind="diagnostic", nbytes=wl.nbytes("gather1k_out"),
+                       note=f"out arrays start {off} B past a page boundary (numpy's own "
+                            f"large arrays: page+{default.ctypes.data % 4096})")
+            out.append(r)
+            progress.result(r)
+            del ko, vo
+    finally:
+        cache.free(sid)
     return out
 
 
