@@ -43,9 +43,12 @@ def llc_bytes() -> int:
 def memcpy_steady(nbytes: int, span: int, reps: int, min_sample_ns: float) -> dict:
     """Steady-state ns per memcpy of nbytes over a span (first pass cancelled).
 
-    A pilot of 4 passes bounds the steady cost from above (it includes a quarter of the
-    first-pass faults); each sample is then one call of 1 pass and one call of k passes,
-    with (k - 1) passes lasting about min_sample_ns (at most 16 GiB copied per call).
+    k, the number of passes, is chosen so that (k - 1) passes last about min_sample_ns
+    (at most 16 GiB copied per call): a pilot of 1 and 4 passes estimates the steady cost,
+    clamped between the cost at 50 GB/s (faster than any copy here) and the pilot's
+    4-pass average (which still holds a quarter of the first-pass faults).  When the
+    faults of a pass cost more than its copies (large spans), a small k would leave the
+    difference to the noise of the fault costs; this k keeps it to a few percent.
     """
     span = max(span, nbytes)
     per = max(1, span // nbytes)
@@ -53,9 +56,12 @@ def memcpy_steady(nbytes: int, span: int, reps: int, min_sample_ns: float) -> di
     def total(passes):
         return _core.bench_memcpy(nbytes, per * passes, span) * per * passes
 
-    est = max(total(4) / (4 * per), 1.0)
-    k = 1 + max(2, math.ceil(min_sample_ns / (est * per)))
-    k = min(k, 1 + max(2, (16 << 30) // (per * nbytes)))
+    t1, t4 = total(1), total(4)
+    hi = max(t4 / (4 * per), 1.0)
+    lo = nbytes / 50.0                                   # ns at 50 GB/s
+    est = min(hi, max(lo, (t4 - t1) / (3 * per)))
+    k = 1 + max(3, math.ceil(min_sample_ns / (est * per)))
+    k = min(k, 1 + max(3, (16 << 30) // (per * nbytes)))
     samples = []
     for _ in range(reps):
         t1 = total(1)

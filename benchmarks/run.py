@@ -347,7 +347,8 @@ def bench_scaling(budget, progress):
     small = make_cfg("small", num_blocks=1024)
     llama = make_cfg("llama", num_blocks=192)
     dur, reps = budget.scale_duration, budget.scale_reps
-    for cfg_name, cfg, ops in (("small", small, ("life", "alloc_free_kernel", "append")),
+    for cfg_name, cfg, ops in (("small", small, ("cpu_ceiling", "life", "alloc_free_kernel",
+                                                 "append")),
                                ("llama", llama, ("append",))):
         name = seg_name(f"scale-{cfg_name}")
         cache = shmkv.KVCache.create(name, cfg)
@@ -360,8 +361,11 @@ def bench_scaling(budget, progress):
                         agg, per = scaling.run_procs(name, op, n, dur)
                         rates.setdefault(n, []).append(agg)
                         per_op.setdefault(n, []).extend(per)
-                recs = scaling.scaling_records("scaling", op, cfg_name, "shmkv", rates, per_op,
-                                               note="processes on one segment")
+                impl = "python loop (ceiling)" if op == "cpu_ceiling" else "shmkv"
+                recs = scaling.scaling_records(
+                    "scaling", op, cfg_name, impl, rates, per_op,
+                    note="pure-Python loop, no shared state: what the machine gives"
+                    if op == "cpu_ceiling" else "processes on one segment")
                 for r in recs:
                     progress.result(r)
                 out += recs

@@ -52,6 +52,11 @@ def proc_worker(name, op, duration_s, barrier, conn):
             elif op == "alloc_free_kernel":
                 _core.bench_alloc_free(cache, 200_000)
                 ops += 200_000
+            elif op == "cpu_ceiling":               # no shared state: the machine's scaling
+                x = 0
+                for i in range(256):
+                    x += i * i
+                ops += 256
             else:
                 raise ValueError(op)
             t1 = time.perf_counter_ns()
