@@ -199,6 +199,9 @@ def markdown(results, chart_rel="out/chart.png"):
       f"{m['redis_server'] or 'no redis-server'}.  An empty Python loop iteration costs "
       f"{m['loop_overhead_ns']} ns here (included in every Python-level figure, not "
       "subtracted).\n")
+    if m.get("nice"):
+        w(f"The run had scheduling priority nice {m['nice']} (`nice -n {m['nice']}`), so "
+          "that other jobs on the shared machine took less of its CPU.\n")
     ld = m.get("others_running") or {}
     if ld.get("samples"):
         w(f"Other load on the machine (runnable tasks besides the benchmark, sampled "

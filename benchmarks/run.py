@@ -188,6 +188,7 @@ def machine_meta(args, budget):
         "matplotlib": matplotlib.__version__,
         "redis_server": _run([args.redis_server, "--version"]) if args.redis_server else None,
         "loop_overhead_ns": round(loop_overhead_ns(), 2),
+        "nice": os.nice(0),
     }
 
 
