@@ -50,12 +50,15 @@ class Budget:
     floor_ns: float
     scale_duration: float
     scale_reps: int
+    scale_wait_s: float
 
 
 FULL = Budget(repeat=40, min_repeat=7, max_seconds=2.0, warmup=2, sample_ns=2e6,
-              floor_reps=5, floor_ns=2e8, scale_duration=1.5, scale_reps=3)
+              floor_reps=5, floor_ns=2e8, scale_duration=1.5, scale_reps=3,
+              scale_wait_s=120)
 QUICK = Budget(repeat=12, min_repeat=3, max_seconds=0.3, warmup=1, sample_ns=5e5,
-               floor_reps=1, floor_ns=3e7, scale_duration=0.4, scale_reps=1)
+               floor_reps=1, floor_ns=3e7, scale_duration=0.4, scale_reps=1,
+               scale_wait_s=8)
 
 
 SHAPES = {
@@ -343,35 +346,81 @@ def bench_peer(label, factory, cfg_name, cfg, ops, wl, budget, progress):
 
 
 # ---- scaling -------------------------------------------------------------------------------
+GATE = 1.8      # a scaling round counts when a no-shared-state loop ran this much faster
+                # on 2 workers than on 1, before and after it: the 2 cores were ours
+
+
+def gated_rounds(what, run_ceiling, run_op, workers, budget, progress):
+    """Rounds of [ceiling x1, ceiling x2, op x n for n in workers, ceiling x2]; a round
+    is kept when min(ceiling x2) / ceiling x1 >= GATE.  Tries until budget.scale_reps
+    rounds are kept or budget.scale_wait_s has passed; with none kept, every round is
+    used and the records say so.  Returns (rounds used, kept, tried)."""
+    kept, tried = [], []
+    t_end = time.monotonic() + budget.scale_wait_s
+    while len(kept) < budget.scale_reps:
+        progress.step(f"{what}: round {len(tried) + 1} (ceiling, then {workers} workers)")
+        c1 = run_ceiling(1)
+        c2 = run_ceiling(2)
+        res = {n: run_op(n) for n in workers}
+        c2 = min(c2, run_ceiling(2))
+        rnd = {"ceiling": {1: c1, 2: c2}, "gate": c2 / c1, "res": res}
+        tried.append(rnd)
+        if rnd["gate"] >= GATE:
+            kept.append(rnd)
+        else:
+            progress.note(f"{what}: round dropped, the machine gave x{rnd['gate']:.2f} "
+                          f"(< {GATE}) to a loop with no shared state")
+        if time.monotonic() > t_end:
+            break
+    return (kept or tried), len(kept), len(tried)
+
+
+def _series(rounds, key):
+    rates, per = {}, {}
+    for rnd in rounds:
+        for n, v in rnd[key].items():
+            rate, per_op = v if isinstance(v, tuple) else (v, None)
+            rates.setdefault(n, []).append(rate)
+            if per_op:
+                per.setdefault(n, []).extend(per_op)
+    return rates, per
+
+
 def bench_scaling(budget, progress):
     out = []
     small = make_cfg("small", num_blocks=1024)
     llama = make_cfg("llama", num_blocks=192)
-    dur, reps = budget.scale_duration, budget.scale_reps
-    for cfg_name, cfg, ops in (("small", small, ("cpu_ceiling", "life", "alloc_free_kernel",
-                                                 "append")),
+    dur = budget.scale_duration
+    cdur = max(0.2, dur / 3)
+    for cfg_name, cfg, ops in (("small", small, ("life", "alloc_free_kernel", "append")),
                                ("llama", llama, ("append",))):
         name = seg_name(f"scale-{cfg_name}")
         cache = shmkv.KVCache.create(name, cfg)
         try:
             for op in ops:
-                rates, per_op = {}, {}
-                for n in (1, 2, 4):
-                    for _ in range(reps):
-                        progress.step(f"scaling {cfg_name}/{op}: {n} process(es), {dur}s")
-                        agg, per = scaling.run_procs(name, op, n, dur)
-                        rates.setdefault(n, []).append(agg)
-                        per_op.setdefault(n, []).extend(per)
-                impl = "python loop (ceiling)" if op == "cpu_ceiling" else "shmkv"
-                recs = scaling.scaling_records(
-                    "scaling", op, cfg_name, impl, rates, per_op,
-                    note="pure-Python loop, no shared state: what the machine gives"
-                    if op == "cpu_ceiling" else "processes on one segment")
+                rounds, nkept, ntried = gated_rounds(
+                    f"scaling {cfg_name}/{op}",
+                    lambda n, name=name: scaling.run_procs(name, "cpu_ceiling", n, cdur)[0],
+                    lambda n, name=name, op=op: scaling.run_procs(name, op, n, dur),
+                    (1, 2, 4), budget, progress)
+                gate = (f"{nkept} of {ntried} rounds kept (a no-shared-state loop ran "
+                        f">= x{GATE} on 2 processes around them)" if nkept else
+                        f"machine busy: none of {ntried} rounds reached x{GATE} on the "
+                        "no-shared-state loop; all are used")
+                rates, per = _series(rounds, "res")
+                recs = scaling.scaling_records("scaling", op, cfg_name, "shmkv", rates, per,
+                                               note=f"processes on one segment; {gate}")
+                crates, _ = _series(rounds, "ceiling")
+                recs += scaling.scaling_records(
+                    "scaling", "cpu_ceiling", cfg_name, "python loop (ceiling)", crates, None,
+                    note=f"pure-Python loop, no shared state, in the rounds of {op}")
                 for r in recs:
+                    r["paired_with"] = op
+                    r["rounds_kept"], r["rounds_tried"] = nkept, ntried
                     progress.result(r)
                 out += recs
             if cfg_name == "llama":
-                out += bench_threads(cache, cfg, dur, reps, progress)
+                out += bench_threads(cache, cfg, budget, progress)
             bad = cache.check()
             out.append(record("checks", "check_after_scaling", cfg_name, "shmkv",
                               {"ok": bad == [], "problems": bad[:20]}, kind="check"))
@@ -383,10 +432,13 @@ def bench_scaling(budget, progress):
     return out
 
 
-def bench_threads(cache, cfg, dur, reps, progress):
-    """gather 1k tokens (out=) from 1 and 2 threads of this process; the memcpy ceiling
-    of the machine from 1 and 2 threads beside it."""
+def bench_threads(cache, cfg, budget, progress):
+    """gather 1k tokens (out=) from 1 and 2 threads of this process, in gated rounds
+    (ceiling: a GIL-free C loop, bench_memcpy of 4 KiB in cache, per thread); numpy copy
+    of the same bytes from 1 and 2 threads beside it: the machine's copy bandwidth."""
     out = []
+    dur = budget.scale_duration
+    cdur = max(0.2, dur / 3)
     L, H, D, dt = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.numpy_dtype
     kp = np.ones((L, 512, H, D), dt)
     sids = []
@@ -396,39 +448,50 @@ def bench_threads(cache, cfg, dur, reps, progress):
             sids.append(s)
             cache.append(s, kp, kp)
             cache.append(s, kp, kp)
-        outs = []
-        for _ in range(2):
-            o = (np.zeros((L, 1024, H, D), dt), np.zeros((L, 1024, H, D), dt))
-            outs.append(o)
+        outs = [(np.ones((L, 1024, H, D), dt), np.ones((L, 1024, H, D), dt))
+                for _ in range(2)]
         nbytes = 2 * outs[0][0].nbytes
         srcs = [np.ones(nbytes // 2, dt) for _ in range(2)]
-        dsts = [np.zeros(nbytes // 2, dt) for _ in range(2)]
+        dsts = [np.ones(nbytes // 2, dt) for _ in range(2)]
+        series = (
+            ("shmkv", lambda i: lambda: cache.gather(sids[i], out=outs[i]),
+             "each thread gathers its own sequence (out=)"),
+            ("shmkv, one shared sequence", lambda i: lambda: cache.gather(sids[0], out=outs[i]),
+             "both threads gather the same sequence: its lock serialises them"),
+            ("numpy copy (ceiling)", lambda i: lambda: np.copyto(dsts[i], srcs[i]),
+             "np.copyto of the same bytes per thread: the machine's copy bandwidth"))
 
-        def own_seq(i):
-            return lambda: cache.gather(sids[i], out=outs[i])
+        def ceiling(n):
+            return scaling.run_threads(lambda i: lambda: _core.bench_memcpy(4096, 20000, 4096),
+                                       n, cdur)
 
-        def same_seq(i):
-            return lambda: cache.gather(sids[0], out=outs[i])
-
-        def numpy_copy(i):
-            return lambda: np.copyto(dsts[i], srcs[i])
-        for label, fn, note in (
-                ("shmkv", own_seq, "threads gather their own sequence (out=)"),
-                ("shmkv, one shared sequence", same_seq,
-                 "both threads gather the same sequence: the sequence lock serialises them"),
-                ("numpy copy (ceiling)", numpy_copy,
-                 "np.copyto of the same bytes per thread: the machine's copy bandwidth")):
+        def run_all(n):
+            return {label: scaling.run_threads(fn, n, dur) for label, fn, _ in series}
+        rounds, nkept, ntried = gated_rounds("threads gather1k_out", ceiling, run_all, (1, 2),
+                                             budget, progress)
+        gate = (f"{nkept} of {ntried} rounds kept" if nkept else
+                f"machine busy: none of {ntried} rounds reached x{GATE}; all are used")
+        kept = {"rounds_kept": nkept, "rounds_tried": ntried}
+        for label, _, note in series:
             rates = {}
-            for n in (1, 2):
-                for _ in range(reps):
-                    progress.step(f"threads gather1k_out/{label}: {n} thread(s)")
-                    rates.setdefault(n, []).append(scaling.run_threads(fn, n, dur))
+            for rnd in rounds:
+                for n, res in rnd["res"].items():
+                    rates.setdefault(n, []).append(res[label])
             recs = scaling.scaling_records("threads", "gather1k_out", "llama", label, rates,
-                                           None, note=note)
+                                           None, note=f"{note}; {gate}")
             for r in recs:
                 r["nbytes"] = nbytes
+                r.update(kept)
                 progress.result(r)
             out += recs
+        crates, _ = _series(rounds, "ceiling")
+        recs = scaling.scaling_records("threads", "cpu_ceiling", "llama",
+                                       "C loop without the GIL (ceiling)", crates, None,
+                                       note="bench_memcpy of 4 KiB in cache, per thread")
+        for r in recs:
+            r.update(kept)
+            progress.result(r)
+        out += recs
     finally:
         for s in sids:
             cache.free(s)

@@ -154,6 +154,8 @@ def scaling_records(section, op, config, impl, rates_by_n, per_op_by_n, note="")
     ns per op of the whole group: 1e9 / rate), samples over repeats, and speedup vs 1."""
     out = []
     base = float(np.median(rates_by_n[1])) if 1 in rates_by_n else None
+    if not base:
+        return out
     for n, rates in sorted(rates_by_n.items()):
         agg = [1e9 / r for r in rates]
         st = from_samples(agg)
