@@ -226,6 +226,11 @@ def markdown(results, chart_rel="out/chart.png"):
           f"{100 * ld['busy_fraction']:.0f}% of {ld['samples']} samples; the run took "
           f"{m.get('duration_s')} s.  Figures taken while the machine was busy are "
           "inflated; `others_running` in results.json tags every record.\n")
+    drops = sum(r.get("preempted_dropped") or 0 for r in recs)
+    w(f"Samples of work done in the benchmark's own thread during which other tasks held "
+      f"its CPU for more than 20% of the sample were dropped and taken again: {drops} in "
+      "this run (`preempted_dropped` per record).  Memory and cache interference from other "
+      "jobs is not filtered.\n")
     w("Each cell: **median** per call, p10–p90 over samples, and the ratio to the memcpy "
       "floor of the same bytes over the same working set (copy ops) or to shmkv "
       "(peers, metadata ops).  † marks a median more than 25% above the calling thread's "

@@ -90,8 +90,10 @@ def verify(impl, cfg, wl):
         impl.free(s)
 
 
-def run_ops(impl, impl_name, cfg_name, cfg, wl, budget, progress, ops=OPS, kind="python"):
-    """Times every op of `ops` on `impl`; returns result records."""
+def run_ops(impl, impl_name, cfg_name, cfg, wl, budget, progress, ops=OPS, kind="python",
+            in_thread=True):
+    """Times every op of `ops` on `impl`; returns result records.  in_thread: the work
+    runs in this thread (see timing.measure); False for peers with a server process."""
     bs = cfg.block_size
     out = []
     long_sids = []
@@ -105,6 +107,7 @@ def run_ops(impl, impl_name, cfg_name, cfg, wl, budget, progress, ops=OPS, kind=
 
     def sample_opts(slow=False):
         return {"repeat": budget.repeat, "min_repeat": budget.min_repeat,
+                "in_thread": in_thread,
                     "max_seconds": budget.max_seconds * (1.5 if slow else 1.0),
                     "warmup": budget.warmup}
 

@@ -19,6 +19,11 @@ from typing import Callable
 __all__ = ["fmt_ns", "from_samples", "loop_overhead_ns", "measure", "record", "summarize"]
 
 
+#: a sample whose thread was off the CPU for more than this share of its wall time was
+#: preempted by other tasks (the machine is shared): it is dropped and taken again
+STEAL = 0.2
+
+
 def _quantile(xs: list, q: float) -> float:
     """Linear-interpolated quantile of a sorted list (numpy's default method)."""
     if not xs:
@@ -63,7 +68,8 @@ def _timed(run: Callable, state, calls: int) -> tuple:
 def measure(run: Callable, *, calls: int | None = None, max_calls: int = 1 << 20,
             setup: Callable | None = None, teardown: Callable | None = None,
             repeat: int = 30, min_repeat: int = 5, warmup: int = 1,
-            max_seconds: float = 2.0, target_sample_ns: float = 2e6) -> dict:
+            max_seconds: float = 2.0, target_sample_ns: float = 2e6,
+            in_thread: bool = True) -> dict:
     """Time ``run(state, calls)``; return the summary of per-call ns plus ``calls``.
 
     Parameters
@@ -82,6 +88,12 @@ def measure(run: Callable, *, calls: int | None = None, max_calls: int = 1 << 20
         included) have passed and ``min_repeat`` samples exist.
     warmup : int
         Untimed samples first (caches, branch predictors, lazily built state).
+    in_thread : bool
+        The work runs in this thread (not in a server process): a sample during which
+        the thread lost the CPU to other tasks for more than STEAL of its wall time is
+        dropped and taken again (at most 2 * repeat times; the count is reported as
+        ``preempted_dropped``).  The machine is shared; its other jobs are not what is
+        measured.  Off for peers whose work runs in another process.
     """
     setup = setup or (lambda n: None)
     teardown = teardown or (lambda s: None)
@@ -106,13 +118,18 @@ def measure(run: Callable, *, calls: int | None = None, max_calls: int = 1 << 20
     for _ in range(warmup):
         one(calls)
     samples, cpu = [], []
+    dropped = 0
     while len(samples) < repeat:
         wall, c = one(calls)
+        if in_thread and wall - c > STEAL * wall and dropped < 2 * repeat:
+            dropped += 1                        # preempted: other tasks had the CPU
+            continue
         samples.append(wall / calls)
         cpu.append(c / calls)
         if len(samples) >= min_repeat and time.monotonic() - t_start > max_seconds:
             break
     out = summarize(samples)
+    out["preempted_dropped"] = dropped
     # CPU time of this thread per call: equal to the wall time on a quiet machine for
     # work done in this thread; wall well above it means waiting (a server, a lock) or
     # other tasks taking the CPU.  Diagnostic only; every figure reported is wall time.
