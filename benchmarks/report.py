@@ -1,8 +1,6 @@
 """Targets (PASS/FAIL), the Markdown report and the chart, from the results dict."""
 from __future__ import annotations
 
-import math
-
 from timing import fmt_ns
 
 PEERS = ("vLLM-style pool (py)", "naive shm+Manager", "LMDB", "Redis")
@@ -75,12 +73,16 @@ def evaluate_targets(results):
         f = _med(recs, section="ops", op=op, config=cfg, impl=FLOOR)
         hot = _med(recs, section="ops", op=op, config=cfg, impl="memcpy hot")
         cold = _med(recs, section="ops", op=op, config=cfg, impl="memcpy cold")
-        note = (f"shmkv {fmt_ns(s)}, memcpy same working set {fmt_ns(f)}; "
-                f"×{_ratio(s, hot) or math.nan:.2f} of hot, ×{_ratio(s, cold) or math.nan:.2f} "
-                "of cold memcpy")
+        note = f"shmkv {fmt_ns(s)}, memcpy same working set {fmt_ns(f)}"
+        for lab, fl2 in (("hot", hot), ("cold", cold)):
+            if _ratio(s, fl2):
+                note += f"; ×{_ratio(s, fl2):.2f} of {lab} memcpy"
         al = _med(recs, section="ops", op=op, config=cfg, impl="shmkv, out= at page+0")
         if al and f:
             note += f"; into page-aligned out= arrays {fmt_ns(al)} (×{al / f:.2f})"
+        al = _med(recs, section="ops", op=op, config=cfg, impl="shmkv, k/v at page+0")
+        if al and f:
+            note += f"; from page-aligned k/v arrays {fmt_ns(al)} (×{al / f:.2f})"
         add(f"[{cfg}] {label} / memcpy floor", _ratio(s, f), limit, "x", note)
     add("[small] append 1 token (4 KiB)",
         _med(recs, section="ops", op="append1", config="small", impl="shmkv"), 2000, "ns")
@@ -282,11 +284,12 @@ def markdown(results, chart_rel="out/chart.png"):
             npc = _find(recs, section="ops", op=op, config=cfg, impl="numpy copy")
             scell = _cell(s, fl)
             for off in (0, 16, 64):
-                d = _find(recs, section="ops", op=op, config=cfg,
-                          impl=f"shmkv, out= at page+{off}")
-                if d and fl:
-                    scell += (f"<br>out= at page+{off}: {fmt_ns(d['median_ns'])} "
-                              f"(×{d['median_ns'] / fl:.2f})")
+                for what in ("out=", "k/v"):
+                    d = _find(recs, section="ops", op=op, config=cfg,
+                              impl=f"shmkv, {what} at page+{off}")
+                    if d and fl:
+                        scell += (f"<br>{what} at page+{off}: {fmt_ns(d['median_ns'])} "
+                                  f"(×{d['median_ns'] / fl:.2f})")
             cells = [f"{op}: {_title(op)}" + (f" ({_bytes(s['nbytes'])})" if s and s.get(
                 "nbytes") else ""), scell, kern, _cell(f) if f else "–",
                 _cell(npc, fl) if npc else "–"]

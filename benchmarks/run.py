@@ -222,6 +222,8 @@ def bench_shmkv(cfg_name, cfg, ops, wl, budget, progress):
                    "included, C loop", preempted_dropped=dropped)
         out.append(r)
         progress.result(r)
+        if "prefill512" in ops:
+            out += prefill_alignment(cache, cfg_name, cfg, wl, budget, progress)
         if "gather1k_out" in ops:
             out += gather_alignment(cache, cfg_name, cfg, wl, budget, progress)
         # the cost of fresh arrays beside gather into fresh arrays
@@ -268,6 +270,33 @@ def page_aligned(shape, dtype, offset=0):
     a = raw[start:start + nbytes].view(dtype).reshape(shape)
     a.fill(1)                                      # pages touched: no faults timed
     return a
+
+
+def prefill_alignment(cache, cfg_name, cfg, wl, budget, progress):
+    """prefill512 from k/v arrays placed at chosen offsets past a page boundary (the
+    default figure uses numpy's own arrays: page+16)."""
+    out = []
+    shape = wl.kp.shape
+    for off in (0, 64):
+        progress.step(f"{cfg_name}/shmkv/prefill512: k, v at page offset {off}")
+        k = page_aligned(shape, cfg.numpy_dtype, off)
+        v = page_aligned(shape, cfg.numpy_dtype, off)
+        k[...] = wl.kp
+        v[...] = wl.vp
+
+        def run(s, n, k=k, v=v):
+            for _ in range(n):
+                cache.append(s, k, v)
+        st = measure(run, calls=1, setup=lambda n: cache.create_sequence(),
+                     teardown=cache.free, repeat=budget.repeat, min_repeat=budget.min_repeat,
+                     max_seconds=budget.max_seconds, warmup=budget.warmup)
+        r = record("ops", "prefill512", cfg_name, f"shmkv, k/v at page+{off}", st,
+                   kind="diagnostic", nbytes=wl.nbytes("prefill512"),
+                   note=f"source arrays start {off} B past a page boundary (numpy's own "
+                        f"large arrays: page+{wl.kp.ctypes.data % 4096})")
+        out.append(r)
+        progress.result(r)
+    return out
 
 
 def gather_alignment(cache, cfg_name, cfg, wl, budget, progress):
@@ -562,7 +591,8 @@ def main(argv=None):
             cfg, ops = all_cfgs[cfg_name]
             progress.step(f"config {cfg_name}: {cfg}")
             wl = suite.Workload(cfg)
-            records += floors.measure_floors(cfg_name, wl, ops, budget, progress)
+            records += floors.measure_floors(cfg_name, wl, ops, budget, progress,
+                                             cold=not args.quick)
             records += bench_shmkv(cfg_name, cfg, ops, wl, budget, progress)
             for label, factory, why in peer_factories(args, redis_server):
                 if factory is None:
