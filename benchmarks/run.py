@@ -55,7 +55,7 @@ class Budget:
 
 FULL = Budget(repeat=40, min_repeat=7, max_seconds=2.0, warmup=2, sample_ns=2e6,
               floor_reps=5, floor_ns=2e8, scale_duration=1.5, scale_reps=3,
-              scale_wait_s=120)
+              scale_wait_s=240)
 QUICK = Budget(repeat=12, min_repeat=3, max_seconds=0.3, warmup=1, sample_ns=5e5,
                floor_reps=1, floor_ns=3e7, scale_duration=0.4, scale_reps=1,
                scale_wait_s=8)
