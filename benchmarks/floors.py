@@ -1,0 +1,125 @@
+"""The physical floor of moving the same bytes, measured in the same run.
+
+``shmkv._core.bench_memcpy(nbytes, iters, span)`` loops memcpy in C over buffers it
+allocates per call, with source and destination walking ``span`` bytes.  Its destination
+buffer is never touched before the timed loop (the compiler drops the memset of a buffer
+that is only written and then freed), so the first pass over the span pays one page fault
+per 4 KiB.  We therefore measure the steady state by difference: one call of one pass and
+one call of k passes; (T_k - T_1) / (iters_k - iters_1) cancels the first pass, faults
+included.
+
+Three spans per size: *hot* (span = nbytes: the same buffers again and again), *matched*
+(span = the bytes of pool the timed shmkv op touches, so the floor has the same working
+set as the op), and *cold* (span well past the last-level cache).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from timing import STEAL, from_samples, measure, record
+
+from shmkv import _core
+
+COLD_SPAN = 256 << 20
+
+
+def llc_bytes() -> int:
+    """Size of the largest CPU cache (sysfs), 32 MiB if unknown."""
+    best = 0
+    try:
+        import glob
+
+        for p in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+            with open(p) as f:
+                t = f.read().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1], 1)
+            best = max(best, int(t.rstrip("KM")) * mult)
+    except (OSError, ValueError):
+        pass
+    return best or (32 << 20)
+
+
+def memcpy_steady(nbytes: int, span: int, reps: int, min_sample_ns: float) -> dict:
+    """Steady-state ns per memcpy of nbytes over a span (first pass cancelled).
+
+    k, the number of passes, is chosen so that (k - 1) passes last about min_sample_ns
+    (at most 16 GiB copied per call): a pilot of 1 and 4 passes estimates the steady cost,
+    clamped between the cost at 50 GB/s (faster than any copy here) and the pilot's
+    4-pass average (which still holds a quarter of the first-pass faults).  When the
+    faults of a pass cost more than its copies (large spans), a small k would leave the
+    difference to the noise of the fault costs; this k keeps it to a few percent.
+    """
+    span = max(span, nbytes)
+    per = max(1, span // nbytes)
+
+    def total(passes):
+        # retaken when other tasks held this thread's CPU for more than STEAL of the call
+        for _ in range(5):
+            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            ns = _core.bench_memcpy(nbytes, per * passes, span) * per * passes
+            w, c = time.perf_counter_ns() - w0, time.thread_time_ns() - c0
+            if w - c <= STEAL * w:
+                break
+        return ns
+
+    t1, t4 = total(1), total(4)
+    hi = max(t4 / (4 * per), 1.0)
+    lo = nbytes / 50.0                                   # ns at 50 GB/s
+    est = min(hi, max(lo, (t4 - t1) / (3 * per)))
+    # the signal (k - 1 passes) must also dwarf the first pass's faults, whose cost
+    # varies with the machine's other memory traffic: 10x their cost at ~0.5 us a page
+    signal = max(min_sample_ns, 10 * (span / 4096) * 500)
+    k = 1 + max(3, math.ceil(signal / (est * per)))
+    k = min(k, 1 + max(3, (16 << 30) // (per * nbytes)))
+    samples = []
+    for _ in range(reps):
+        t1 = total(1)
+        samples.append(max(total(k) - t1, 0.0) / (per * (k - 1)))
+    return from_samples(samples, span=span, iters_per_pass=per, passes=k)
+
+
+def numpy_copy(nbytes: int, budget) -> dict:
+    """np.copyto of nbytes between two pre-touched contiguous arrays (hot when it fits)."""
+    n = nbytes // 2
+    src = np.ones(n, np.float16)
+    dst = np.zeros(n, np.float16)
+
+    def run(_s, calls):
+        c = np.copyto
+        for _ in range(calls):
+            c(dst, src)
+    return measure(run, repeat=budget.repeat, min_repeat=budget.min_repeat,
+                   max_seconds=budget.max_seconds, target_sample_ns=budget.sample_ns)
+
+
+def measure_floors(cfg_name, wl, ops, budget, progress, cold=True) -> list:
+    """Floor records for every op of `ops` that moves bytes (cold: also the 256 MiB-span
+    figure, context only, skipped in quick mode)."""
+    out = []
+    done = {}
+    for op in ops:
+        nbytes = wl.nbytes(op)
+        if nbytes is None:
+            continue
+        ws = wl.working_set(op)
+        kinds = (("memcpy matched", ws), ("memcpy hot", nbytes)) + (
+            (("memcpy cold", COLD_SPAN),) if cold else ())
+        for impl, span in kinds:
+            key = (nbytes, max(span, nbytes))
+            if key not in done:
+                progress.step(f"{cfg_name}/floor/{op}: {impl} ({nbytes} B over {span} B)")
+                done[key] = memcpy_steady(nbytes, span, budget.floor_reps, budget.floor_ns)
+            r = record("ops", op, cfg_name, impl, done[key], kind="floor", nbytes=nbytes,
+                       working_set=ws)
+            out.append(r)
+            progress.result(r)
+        key = ("numpy", nbytes)
+        if key not in done:
+            progress.step(f"{cfg_name}/floor/{op}: numpy copy ({nbytes} B)")
+            done[key] = numpy_copy(nbytes, budget)
+        r = record("ops", op, cfg_name, "numpy copy", done[key], kind="floor", nbytes=nbytes)
+        out.append(r)
+        progress.result(r)
+    return out
