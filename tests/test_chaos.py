@@ -67,7 +67,7 @@ def test_chaos_spawn_workers_armed_through_the_environment(tmp_path):
     (SHMKV_CRASH_POINT=name:N in the environment, read at import)."""
     proc, r = run_chaos(tmp_path, "--workers", "6", "--duration", "15", "--phase", "0",
                         "--start-method", "spawn", "--min-kills", "5", "--min-per-point", "1",
-                        "--max-duration", "40")
+                        "--max-duration", "120")
     assert r is not None, _explain(proc)
     assert proc.returncode == 0, _explain(proc)
     assert r["failure_total"] == 0
