@@ -558,7 +558,7 @@ static int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *s
     q->hashed = 0;
     q->priority = priority;
     q->created_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
-    q->last_access_ns = (uint64_t)shmkv_now_ns(CLOCK_MONOTONIC_COARSE);
+    q->last_access_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME_COARSE);
     q->access_count = 0;
     q->flags = 0;
     q->hash_ready = 0;
@@ -1010,7 +1010,7 @@ static int shmkv_seq_trim_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t S, uint
 /* Marks a use of the sequence, for evict("lru") / evict("lfu").  Sequence-lock holder. */
 static inline void shmkv_seq_touch(shmkv_ctx_t *c, uint32_t slot) {
     shmkv_seq_t *q = &c->seqs[slot];
-    q->last_access_ns = (uint64_t)shmkv_now_ns(CLOCK_MONOTONIC_COARSE);
+    q->last_access_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME_COARSE);
     q->access_count++;
 }
 

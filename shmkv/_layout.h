@@ -261,7 +261,7 @@ typedef struct {
     uint32_t hashed;           /* leading blocks whose hash is published in the index
                                   (pool_lock); <= hash_ready */
     uint32_t priority;         /* for evict("priority"): lower goes first */
-    uint64_t last_access_ns;   /* CLOCK_MONOTONIC_COARSE of the last use, evict("lru") */
+    uint64_t last_access_ns;   /* CLOCK_REALTIME_COARSE of the last use, evict("lru") */
     uint64_t access_count;     /* uses, evict("lfu"); by the sequence-lock holder */
     uint64_t created_ns;       /* CLOCK_REALTIME */
     uint32_t flags;            /* SHMKV_SEQF_*; by the sequence-lock holder */
