@@ -23,6 +23,7 @@ from timing import STEAL, from_samples, measure, record
 from shmkv import _core
 
 COLD_SPAN = 256 << 20
+FLOOR_AFTER = "memcpy matched, after shmkv"
 
 
 def llc_bytes() -> int:
@@ -123,3 +124,26 @@ def measure_floors(cfg_name, wl, ops, budget, progress, cold=True) -> list:
         out.append(r)
         progress.result(r)
     return out
+
+
+def matched_again(cfg_name, wl, ops, budget, progress) -> list:
+    """The matched floors once more, right after shmkv's ops: other jobs on the machine
+    change what an L3-sized working set costs from one minute to the next, and the floor
+    used for the ratios is the lowest of both measurements (a floor is a lower bound)."""
+    out = []
+    done = {}
+    for op in ops:
+        nbytes = wl.nbytes(op)
+        if nbytes is None:
+            continue
+        ws = wl.working_set(op)
+        key = (nbytes, max(ws, nbytes))
+        if key not in done:
+            progress.step(f"{cfg_name}/floor/{op}: memcpy matched, again after shmkv")
+            done[key] = memcpy_steady(nbytes, ws, budget.floor_reps, budget.floor_ns)
+        r = record("ops", op, cfg_name, FLOOR_AFTER, done[key], kind="floor", nbytes=nbytes,
+                   working_set=ws)
+        out.append(r)
+        progress.result(r)
+    return out
+

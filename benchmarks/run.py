@@ -31,7 +31,7 @@ import numpy as np
 import report
 import scaling
 import suite
-from timing import STEAL, fmt_ns, loop_overhead_ns, measure, record
+from timing import STEAL, fmt_ns, loop_overhead_ns, measure, measure_interleaved, record
 
 import shmkv
 from shmkv import _core
@@ -204,6 +204,7 @@ def bench_shmkv(cfg_name, cfg, ops, wl, budget, progress):
     try:
         suite.verify(cache, cfg, wl)
         out += suite.run_ops(cache, "shmkv", cfg_name, cfg, wl, budget, progress, ops)
+        out += floors.matched_again(cfg_name, wl, ops, budget, progress)
         # kernel-only: block alloc+free with no Python in the loop
         progress.step(f"{cfg_name}/shmkv: kernel-only alloc+free hook")
         samples, dropped = [], 0
@@ -272,61 +273,76 @@ def page_aligned(shape, dtype, offset=0):
     return a
 
 
+ALIGN_OFFSETS = (0, 16, 64)
+
+
 def prefill_alignment(cache, cfg_name, cfg, wl, budget, progress):
-    """prefill512 from k/v arrays placed at chosen offsets past a page boundary (the
-    default figure uses numpy's own arrays: page+16)."""
-    out = []
+    """prefill512 from numpy's own k/v arrays and from k/v placed at chosen offsets past
+    a page boundary, taken in turn (interleaved): a relative-alignment diagnostic."""
     shape = wl.kp.shape
-    for off in (0, 64):
-        progress.step(f"{cfg_name}/shmkv/prefill512: k, v at page offset {off}")
+    srcs = {f"shmkv, k/v numpy-allocated (page+{wl.kp.ctypes.data % 4096})": (wl.kp, wl.vp)}
+    for off in ALIGN_OFFSETS:
         k = page_aligned(shape, cfg.numpy_dtype, off)
         v = page_aligned(shape, cfg.numpy_dtype, off)
         k[...] = wl.kp
         v[...] = wl.vp
+        srcs[f"shmkv, k/v at page+{off}"] = (k, v)
 
-        def run(s, n, k=k, v=v):
+    def runner(k, v):
+        def run(s, n):
             for _ in range(n):
                 cache.append(s, k, v)
-        st = measure(run, calls=1, setup=lambda n: cache.create_sequence(),
-                     teardown=cache.free, repeat=budget.repeat, min_repeat=budget.min_repeat,
-                     max_seconds=budget.max_seconds, warmup=budget.warmup)
-        r = record("ops", "prefill512", cfg_name, f"shmkv, k/v at page+{off}", st,
-                   kind="diagnostic", nbytes=wl.nbytes("prefill512"),
-                   note=f"source arrays start {off} B past a page boundary (numpy's own "
-                        f"large arrays: page+{wl.kp.ctypes.data % 4096})")
+        return run
+    progress.step(f"{cfg_name}/shmkv/prefill512: source alignment, interleaved")
+    res = measure_interleaved({name: runner(k, v) for name, (k, v) in srcs.items()},
+                              setup=lambda n: cache.create_sequence(), teardown=cache.free,
+                              repeat=budget.repeat, min_repeat=budget.min_repeat,
+                              max_seconds=2 * budget.max_seconds, warmup=budget.warmup)
+    out = []
+    for name, st in res.items():
+        r = record("ops", "prefill512", cfg_name, name, st, kind="diagnostic",
+                   nbytes=wl.nbytes("prefill512"),
+                   note="source arrays at a chosen offset past a page boundary; the pool's "
+                        "blocks start on one; variants taken in turn")
         out.append(r)
         progress.result(r)
     return out
 
 
 def gather_alignment(cache, cfg_name, cfg, wl, budget, progress):
-    """gather1k_out into out= arrays placed at chosen offsets past a page boundary.
-    numpy's own large arrays start 16 bytes past one (the malloc header of an mmap'd
-    chunk); the pool's blocks start on one.  Diagnostic beside the default figure."""
-    out = []
+    """gather1k_out into numpy's own arrays and into arrays placed at chosen offsets past
+    a page boundary, taken in turn (interleaved).  numpy's large arrays start 16 bytes
+    past one (the malloc header of an mmap'd chunk); the pool's blocks start on one."""
     shape = (cfg.num_layers, 1024, cfg.num_kv_heads, cfg.head_dim)
     sid = cache.create_sequence()
     try:
         cache.append(sid, wl.kp, wl.vp)
         cache.append(sid, wl.kp, wl.vp)
-        default = np.empty(shape, cfg.numpy_dtype)
-        for off in (0, 16, 64):
-            progress.step(f"{cfg_name}/shmkv/gather1k_out: out= at page offset {off}")
-            ko = page_aligned(shape, cfg.numpy_dtype, off)
-            vo = page_aligned(shape, cfg.numpy_dtype, off)
+        dk = np.ones(shape, cfg.numpy_dtype)
+        dv = np.ones(shape, cfg.numpy_dtype)
+        outs = {f"shmkv, out= numpy-allocated (page+{dk.ctypes.data % 4096})": (dk, dv)}
+        for off in ALIGN_OFFSETS:
+            outs[f"shmkv, out= at page+{off}"] = (page_aligned(shape, cfg.numpy_dtype, off),
+                                                  page_aligned(shape, cfg.numpy_dtype, off))
 
-            def run(_s, n, ko=ko, vo=vo):
+        def runner(o):
+            def run(_s, n):
                 for _ in range(n):
-                    cache.gather(sid, out=(ko, vo))
-            st = measure(run, calls=1, repeat=budget.repeat, min_repeat=budget.min_repeat,
-                         max_seconds=budget.max_seconds, warmup=budget.warmup)
-            r = record("ops", "gather1k_out", cfg_name, f"shmkv, out= at page+{off}", st,
-                       kind="diagnostic", nbytes=wl.nbytes("gather1k_out"),
-                       note=f"out arrays start {off} B past a page boundary (numpy's own "
-                            f"large arrays: page+{default.ctypes.data % 4096})")
+                    cache.gather(sid, out=o)
+            return run
+        progress.step(f"{cfg_name}/shmkv/gather1k_out: destination alignment, interleaved")
+        res = measure_interleaved({name: runner(o) for name, o in outs.items()},
+                                  repeat=budget.repeat, min_repeat=budget.min_repeat,
+                                  max_seconds=2 * budget.max_seconds, warmup=budget.warmup)
+        out = []
+        for name, st in res.items():
+            r = record("ops", "gather1k_out", cfg_name, name, st, kind="diagnostic",
+                       nbytes=wl.nbytes("gather1k_out"),
+                       note="out arrays at a chosen offset past a page boundary; the pool's "
+                            "blocks start on one; variants taken in turn")
             out.append(r)
             progress.result(r)
-            del ko, vo
+        del outs, dk, dv
     finally:
         cache.free(sid)
     return out
@@ -551,7 +567,23 @@ def main(argv=None):
     ap.add_argument("--wait-quiet", type=float, default=None, metavar="S",
                     help="wait up to S seconds for no other runnable tasks before starting "
                          "(default: 600 full, 0 quick)")
+    ap.add_argument("--report-only", metavar="JSON", default=None,
+                    help="measure nothing: re-evaluate the targets and rewrite the report and "
+                         "chart from an existing results.json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        with open(args.report_only) as f:
+            results = json.load(f)
+        results["targets"] = report.evaluate_targets(results)
+        md_path = args.md or os.path.join(os.path.dirname(args.report_only), "RESULTS.md")
+        chart_path = os.path.join(os.path.dirname(md_path) if args.md else
+                                  os.path.dirname(args.report_only), "chart.png")
+        report.draw_chart(results, chart_path)
+        with open(md_path, "w") as f:
+            f.write(report.markdown(results, chart_rel=os.path.relpath(
+                chart_path, os.path.dirname(md_path))))
+        print(report.targets_text(results))
+        return 0
 
     if os.path.abspath(shmkv.__file__).startswith(_SRC + os.sep):
         sys.exit(f"benchmarks must run against the installed package, imported {shmkv.__file__}"

@@ -16,7 +16,8 @@ import math
 import time
 from typing import Callable
 
-__all__ = ["fmt_ns", "from_samples", "loop_overhead_ns", "measure", "record", "summarize"]
+__all__ = ["fmt_ns", "from_samples", "loop_overhead_ns", "measure", "measure_interleaved",
+           "record", "summarize"]
 
 
 #: a sample whose thread was off the CPU for more than this share of its wall time was
@@ -136,6 +137,55 @@ def measure(run: Callable, *, calls: int | None = None, max_calls: int = 1 << 20
     out["cpu_median_ns"] = summarize(cpu)["median_ns"]
     out["calls_per_sample"] = calls
     out["wall_s"] = round(time.monotonic() - t_start, 3)
+    return out
+
+
+def measure_interleaved(runs: dict, *, calls: int = 1, setup: Callable | None = None,
+                        teardown: Callable | None = None, repeat: int = 30,
+                        min_repeat: int = 5, warmup: int = 1,
+                        max_seconds: float = 2.0) -> dict:
+    """Like :func:`measure` for several variants of one op, taken in turn (one sample of
+    each per round), so that every variant sees the same state of a shared machine;
+    {name: summary}.  Work runs in this thread: preempted samples are taken again."""
+    setup = setup or (lambda n: None)
+    teardown = teardown or (lambda s: None)
+
+    def one(run):
+        state = setup(calls)
+        try:
+            return _timed(run, state, calls)
+        finally:
+            teardown(state)
+
+    t_start = time.monotonic()
+    for _ in range(warmup):
+        for run in runs.values():
+            one(run)
+    samples = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}
+    dropped = 0
+    rounds = 0
+    while rounds < repeat:
+        for k, run in runs.items():
+            while True:
+                wall, c = one(run)
+                if wall - c > STEAL * wall and dropped < 2 * repeat * len(runs):
+                    dropped += 1
+                    continue
+                break
+            samples[k].append(wall / calls)
+            cpu[k].append(c / calls)
+        rounds += 1
+        if rounds >= min_repeat and time.monotonic() - t_start > max_seconds:
+            break
+    out = {}
+    for k in runs:
+        st = summarize(samples[k])
+        st["cpu_median_ns"] = summarize(cpu[k])["median_ns"]
+        st["calls_per_sample"] = calls
+        st["preempted_dropped"] = dropped if k == next(iter(runs)) else 0
+        st["interleaved_with"] = [x for x in runs if x != k]
+        out[k] = st
     return out
 
 
