@@ -2084,7 +2084,9 @@ class Controller:
             if now >= next_progress:
                 self._progress(now)
                 next_progress = now + a.progress
-            if now >= phase_end and max(t_end, hard_end if extended else t_end) - now > a.phase / 3:
+            # --phase 0: no audits until the final one (also while extended past t_end)
+            if a.phase > 0 and now >= phase_end \
+                    and max(t_end, hard_end if extended else t_end) - now > a.phase / 3:
                 self._audit(final=False)
                 for lane in range(a.workers):
                     self._start(lane)
