@@ -1940,7 +1940,7 @@ class Controller:
                     os._exit(code)
 
     def _stop_all(self):
-        for lane, w in list(self.workers.items()):
+        for w in list(self.workers.values()):
             p = w["proc"]
             if p.exitcode is None:
                 try:
