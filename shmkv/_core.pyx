@@ -1548,15 +1548,25 @@ cdef class Segment:
 
 
 cdef object _aligned_empty(tuple shape, object dtype):
-    """np.empty with its data on a 64-byte (cache-line) boundary: whole-line copies,
-    and no false sharing with a neighbour allocation."""
+    """np.empty with its data on a page boundary, like the pools: block copies then run
+    at the same page offset on both sides, clear of 4K aliasing (a destination a few
+    bytes past the source's page offset stalls every load behind the stores; malloc's
+    page+16 pointers cost gather 1.4x the floor, page-aligned ones 0.8x)."""
     cdef Py_ssize_t n = dtype.itemsize
     for d in shape:
         n *= d
-    raw = np.empty(n + 64, np.uint8)
+    raw = np.empty(n + 4096, np.uint8)
     cdef size_t addr = <size_t>cnp.PyArray_DATA(raw)
-    cdef Py_ssize_t off = (64 - <Py_ssize_t>(addr % 64)) % 64
+    cdef Py_ssize_t off = (4096 - <Py_ssize_t>(addr % 4096)) % 4096
     return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def empty_gather_buffers(cache, Py_ssize_t n_tokens):
+    """A (k_out, v_out) pair for ``gather(..., out=)`` of n_tokens tokens, page-aligned
+    like the pools (the fastest destination: see _aligned_empty)."""
+    cfg = cache.config
+    shape = (cfg.num_layers, n_tokens, cfg.num_kv_heads, cfg.head_dim)
+    return _aligned_empty(shape, cfg.numpy_dtype), _aligned_empty(shape, cfg.numpy_dtype)
 
 
 cdef int64_t _valid_len(shmkv_ctx_t *c, uint32_t slot, int64_t s) except -1:

@@ -282,9 +282,26 @@ static int shmkv__owner_died(shmkv_ctx_t *c) {
     return st;
 }
 
-/* Returns OK (locked), EAGAIN (busy; nothing held), or ECORRUPT (not recoverable). */
+/* Critical sections under the pool lock last tens of nanoseconds, so a busy lock is
+ * nearly always free again within a few hundred cycles: spinning on trylock that long
+ * (reading the lock word, not writing it) beats a futex sleep and wake-up (two system
+ * calls and a context switch each way), which made two processes slower than one. */
+#define SHMKV_POOL_SPIN 128
+
+static inline int shmkv__mutex_looks_free(pthread_mutex_t *m) {
+    /* glibc: __data.__lock is the first int; 0 = unlocked.  A hint only: trylock decides. */
+    return __atomic_load_n((int *)m, __ATOMIC_RELAXED) == 0;
+}
+
+/* Returns OK (locked), EAGAIN (busy; nothing held), or ECORRUPT (not recoverable).
+ * Spins briefly (bounded, no sleep) before giving up. */
 static int shmkv_pool_trylock(shmkv_ctx_t *c) {
     int rc = pthread_mutex_trylock(&c->sh->pool_lock);
+    for (int i = 0; rc == EBUSY && i < SHMKV_POOL_SPIN; i++) {
+        SHMKV_PAUSE();
+        if (shmkv__mutex_looks_free(&c->sh->pool_lock))
+            rc = pthread_mutex_trylock(&c->sh->pool_lock);
+    }
     if (rc == 0) return SHMKV_OK;
     if (rc == EBUSY) return SHMKV_EAGAIN;
     if (rc == EOWNERDEAD) return shmkv__owner_died(c);
@@ -294,6 +311,11 @@ static int shmkv_pool_trylock(shmkv_ctx_t *c) {
 /* Blocks at most ctx->timeout_ns.  Call without the GIL. */
 static int shmkv_pool_lock(shmkv_ctx_t *c) {
     int rc = pthread_mutex_trylock(&c->sh->pool_lock);
+    for (int i = 0; rc == EBUSY && i < SHMKV_POOL_SPIN; i++) {
+        SHMKV_PAUSE();
+        if (shmkv__mutex_looks_free(&c->sh->pool_lock))
+            rc = pthread_mutex_trylock(&c->sh->pool_lock);
+    }
     if (rc == EBUSY) {
         shmkv_count(c, SHMKV_C_LOCK_WAITS, 1);
         int64_t dl = shmkv_now_ns(CLOCK_REALTIME) + c->timeout_ns;

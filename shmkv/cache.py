@@ -88,6 +88,14 @@ class KVCache(Segment):
                     f"expected {config}")
             return cache
 
+    def gather_buffers(self, n_tokens: int):
+        """A ``(k_out, v_out)`` pair for ``gather(sid, start, start + n_tokens,
+        out=...)``, page-aligned like the pools: numpy's own large arrays start 16 bytes
+        past a page boundary, which costs the copy about 1.7x through 4K aliasing."""
+        from ._core import empty_gather_buffers
+
+        return empty_gather_buffers(self, n_tokens)
+
     def __enter__(self) -> "KVCache":
         return self
 
