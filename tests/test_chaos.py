@@ -65,9 +65,11 @@ def test_chaos_short_run_has_no_failures(tmp_path):
 def test_chaos_spawn_workers_armed_through_the_environment(tmp_path):
     """--start-method spawn: fresh interpreters, crash points armed the documented way
     (SHMKV_CRASH_POINT=name:N in the environment, read at import)."""
+    # fresh interpreters start slowly: arm most restarts, so that every one of the 14
+    # points sees a death within the 15 s
     proc, r = run_chaos(tmp_path, "--workers", "6", "--duration", "15", "--phase", "0",
                         "--start-method", "spawn", "--min-kills", "5", "--min-per-point", "1",
-                        "--max-duration", "120")
+                        "--arm", "0.6", "--max-duration", "120")
     assert r is not None, _explain(proc)
     assert proc.returncode == 0, _explain(proc)
     assert r["failure_total"] == 0

@@ -2052,7 +2052,9 @@ class Controller:
         next_kill = t_start + 0.5
         next_check = t_start + a.check_interval
         next_progress = t_start + a.progress
-        phase_end = t_start + a.phase if a.phase > 0 else t_end + 1
+        # --phase 0: no audits but the final one (not one per loop turn once the run
+        # goes on past --duration to meet the counts)
+        phase_end = t_start + a.phase if a.phase > 0 else float("inf")
         last_ops = {}
         while True:
             now = time.monotonic()
