@@ -117,8 +117,8 @@ def test_chaos_catches_sabotage(tmp_path, sabotage, kinds):
     """Damage no planted bug makes: a detached sequence freed behind the workers' backs,
     one confirmed token changed in place, one token of a cached (findable) block
     changed: a later hit on it, or the audit's raw check of hashed blocks, must see it."""
-    proc, r = run_chaos(tmp_path, "--duration", "6", "--phase", "0", "--sabotage", sabotage,
-                        "--max-duration", "6")
+    proc, r = run_chaos(tmp_path, "--duration", "12", "--phase", "0", "--sabotage", sabotage,
+                        "--max-duration", "12")
     assert r is not None, _explain(proc)
     assert r["sabotaged"] > 0
     assert proc.returncode != 0, _explain(proc)
