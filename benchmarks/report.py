@@ -1,6 +1,8 @@
 """Targets (PASS/FAIL), the Markdown report and the chart, from the results dict."""
 from __future__ import annotations
 
+import os
+
 from timing import fmt_ns
 
 PEERS = ("vLLM-style pool (py)", "naive shm+Manager", "LMDB", "Redis")
@@ -457,3 +459,16 @@ def draw_chart(results, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def prefix_section(here=None):
+    """The prefix-cache benchmark's table (benchmarks/prefix_bench.py writes
+    RESULTS_prefix.md), appended to RESULTS.md so one file holds every result."""
+    here = here or os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "RESULTS_prefix.md")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        body = f.read().strip()
+    lines = [("#" + ln) if ln.startswith("#") else ln for ln in body.splitlines()]
+    return "\n\n" + "\n".join(lines) + "\n"
