@@ -448,6 +448,7 @@ def draw_chart(results, path):
                 "paired_with") else ""
             series.setdefault(f"{r['section']}: {r['op']} {r['config']} ({r['impl']}{tag})",
                               []).append((r["workers"], r["speedup_vs_1"]))
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
         for label, pts in series.items():
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
