@@ -300,7 +300,7 @@ def markdown(results, chart_rel="out/chart.png"):
             diag = [r for r in recs if r.get("section") == "ops" and r.get("op") == op
                     and r.get("config") == cfg and r.get("kind") == "diagnostic"]
             if diag and fl:
-                scell += "<br>*alignment, taken in turn:*"
+                scell += "<br>*alignment variants, taken in turn (compare among themselves):*"
                 for d in diag:
                     scell += (f"<br>{d['impl'].split(', ', 1)[1]}: {fmt_ns(d['median_ns'])} "
                               f"(×{d['median_ns'] / fl:.2f})")
@@ -359,7 +359,9 @@ def markdown(results, chart_rel="out/chart.png"):
         for r in sc:
             agg = r["aggregate_ops_s"]
             unit = "calls/s" if r["section"] == "threads" else "ops/s"
-            w(f"| {r['section']}: {r['op']} ({r['impl']}) | {r['config']} | {r['workers']} | "
+            tag = f", rounds of {r['paired_with']}" if r["op"] == "cpu_ceiling" and r.get(
+                "paired_with") else ""
+            w(f"| {r['section']}: {r['op']} ({r['impl']}{tag}) | {r['config']} | {r['workers']} | "
               f"{_rate(agg)} {unit} | {fmt_ns(r['median_ns'])} | "
               f"{fmt_ns(r.get('per_worker_ns_median'))} | ×{r['speedup_vs_1']:.2f} |")
         w("")
@@ -444,8 +446,11 @@ def draw_chart(results, path):
         ax = axes[0][-1]
         series = {}
         for r in sc:
-            series.setdefault(f"{r['section']}: {r['op']} {r['config']} ({r['impl']})",
+            tag = f", rounds of {r['paired_with']}" if r["op"] == "cpu_ceiling" and r.get(
+                "paired_with") else ""
+            series.setdefault(f"{r['section']}: {r['op']} {r['config']} ({r['impl']}{tag})",
                               []).append((r["workers"], r["speedup_vs_1"]))
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
         for label, pts in series.items():
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)

@@ -576,8 +576,8 @@ def main(argv=None):
             results = json.load(f)
         results["targets"] = report.evaluate_targets(results)
         md_path = args.md or os.path.join(os.path.dirname(args.report_only), "RESULTS.md")
-        chart_path = os.path.join(os.path.dirname(md_path) if args.md else
-                                  os.path.dirname(args.report_only), "chart.png")
+        chart_path = os.path.join(os.path.dirname(os.path.abspath(args.report_only)),
+                                  "chart.png")
         report.draw_chart(results, chart_path)
         with open(md_path, "w") as f:
             f.write(report.markdown(results, chart_rel=os.path.relpath(
