@@ -1496,8 +1496,8 @@ class Worker:
                 try:
                     self.call("free", self.cache.free, e.sid)
                 except shmkv.SequenceNotFound:
-                    self.fail("lost_sequence", f"detached sequence {e.sid} vanished "
-                                               f"under our claim: {e}")
+                    self._lost(slot, e)
+                    return
                 e.state, e.intent = FREED, I_NONE
                 self.J.write(slot, e)
             elif r < 0.60:
@@ -1509,20 +1509,14 @@ class Worker:
                     if not self.do_trim(slot, e, "pool"):
                         self.pool_append(slot, e)
                 except shmkv.SequenceNotFound:
-                    self.fail("lost_sequence", f"detached sequence {e.sid} vanished "
-                                               f"under our claim: {e}")
-                    e.state, e.intent = FREED, I_NONE
-                    self.J.write(slot, e)
+                    self._lost(slot, e)
             elif r < 0.78 and len(self.own) < self.MAX_OWN:
                 e.intent = I_ADOPT
                 self.J.write(slot, e)
                 try:
                     self.call("adopt", self.cache.adopt, e.sid)
                 except shmkv.SequenceNotFound:
-                    self.fail("lost_sequence", f"detached sequence {e.sid} vanished "
-                                               f"under our claim: {e}")
-                    e.state, e.intent = FREED, I_NONE
-                    self.J.write(slot, e)
+                    self._lost(slot, e)
                     return
                 e.state, e.intent, e.holder = OWNED, I_NONE, self.me
                 e.flags &= ~F_RESERVE_OK
@@ -1536,6 +1530,13 @@ class Worker:
         finally:
             if not keep:
                 self.J.unlock(slot)
+
+    def _lost(self, slot, e):
+        """A detached sequence we hold the claim on vanished: report it, and journal it
+        as freed so nobody verifies it again."""
+        self.fail("lost_sequence", f"detached sequence {e.sid} vanished under our claim: {e}")
+        e.state, e.intent = FREED, I_NONE
+        self.J.write(slot, e)
 
     def pool_append(self, slot, e):
         n = self.pick_n(e)
@@ -1561,10 +1562,7 @@ class Worker:
             self.bump("cache_full")
             return False
         except shmkv.SequenceNotFound:
-            self.fail("lost_sequence", f"detached sequence {e.sid} vanished under our "
-                                       f"claim: {e}")
-            e.state, e.intent = FREED, I_NONE
-            self.J.write(slot, e)
+            self._lost(slot, e)
             return False
         finally:
             self.J.busy[slot] = 0
