@@ -67,7 +67,10 @@ def evaluate_targets(results):
         k = _med(recs, section="ops", op="life", config=cfg, impl="shmkv kernel alloc+free")
         vp = _med(recs, section="ops", op="life", config=cfg,
                   impl="vLLM-style pool (py) alloc+free")
+        ks = _med(recs, section="ops", op="life", config=cfg,
+                  impl="shmkv kernel alloc+free (shared pool)")
         add(f"[{cfg}] kernel-level block alloc+free (bench_alloc_free)", k, 25, "ns",
+            f"through the shared pool lock instead of the process cache: {fmt_ns(ks)}; "
             f"vLLM-style pool get_new_blocks(1)+free_blocks from Python: {fmt_ns(vp)}")
     for cfg in ("small", "llama"):
         add(f"[{cfg}] reserve(sid, 1) in decode (no new block)",
@@ -133,6 +136,15 @@ def evaluate_targets(results):
         add(f"[{cfg}] {label}: 2 processes / 1 process, aggregate", r and r["speedup_vs_1"],
             1.7, "x", note, cmp=">=")
         _gate(rows[-1], r)
+    r = _find(recs, section="scaling", op="alloc_free_kernel_shared", config="small",
+              impl="shmkv", workers=2)
+    if r:
+        rows.append({"target": "[small] kernel alloc+free through the shared pool lock (no "
+                     "process cache): 2 processes / 1 process (report)",
+                     "measured": r["speedup_vs_1"], "limit": None, "unit": "x", "cmp": "",
+                     "status": "report",
+                     "note": _scal_note(recs, "scaling", "alloc_free_kernel_shared", "small",
+                                        "shmkv")})
     r = _find(recs, section="threads", op="gather1k_out", config="llama", impl="shmkv",
               workers=2)
     ceil = _find(recs, section="threads", op="gather1k_out", config="llama",

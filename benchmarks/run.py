@@ -206,23 +206,28 @@ def bench_shmkv(cfg_name, cfg, ops, wl, budget, progress):
         out += suite.run_ops(cache, "shmkv", cfg_name, cfg, wl, budget, progress, ops)
         out += floors.matched_again(cfg_name, wl, ops, budget, progress)
         # kernel-only: block alloc+free with no Python in the loop
-        progress.step(f"{cfg_name}/shmkv: kernel-only alloc+free hook")
-        samples, dropped = [], 0
-        t_end = time.monotonic() + budget.max_seconds
-        while len(samples) < budget.min_repeat or (
-                time.monotonic() < t_end and len(samples) < budget.repeat):
-            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-            ns = _core.bench_alloc_free(cache, 200_000)
-            w, c = time.perf_counter_ns() - w0, time.thread_time_ns() - c0
-            if w - c > STEAL * w and dropped < 2 * budget.repeat:
-                dropped += 1                    # preempted by other tasks: taken again
-                continue
-            samples.append(ns)
-        r = record("ops", "life", cfg_name, "shmkv kernel alloc+free", _stats(samples),
-                   kind="kernel", note="bench_alloc_free: one block alloc+free, pool lock "
-                   "included, C loop", preempted_dropped=dropped)
-        out.append(r)
-        progress.result(r)
+        for shared, impl, note in (
+                (False, "shmkv kernel alloc+free", "bench_alloc_free: one block alloc+free "
+                 "through this process's block cache (the path reserve/free take), C loop"),
+                (True, "shmkv kernel alloc+free (shared pool)", "bench_alloc_free(shared="
+                 "True): the shared free stack under the pool lock, C loop")):
+            progress.step(f"{cfg_name}/shmkv: kernel-only alloc+free hook"
+                          + (" (shared pool)" if shared else ""))
+            samples, dropped = [], 0
+            t_end = time.monotonic() + budget.max_seconds
+            while len(samples) < budget.min_repeat or (
+                    time.monotonic() < t_end and len(samples) < budget.repeat):
+                c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+                ns = _core.bench_alloc_free(cache, 200_000, shared=shared)
+                w, c = time.perf_counter_ns() - w0, time.thread_time_ns() - c0
+                if w - c > STEAL * w and dropped < 2 * budget.repeat:
+                    dropped += 1                    # preempted by other tasks: taken again
+                    continue
+                samples.append(ns)
+            r = record("ops", "life", cfg_name, impl, _stats(samples), kind="kernel",
+                       note=note, preempted_dropped=dropped)
+            out.append(r)
+            progress.result(r)
         if "prefill512" in ops:
             out += prefill_alignment(cache, cfg_name, cfg, wl, budget, progress)
         if "gather1k_out" in ops:
@@ -444,7 +449,8 @@ def bench_scaling(budget, progress):
     llama = make_cfg("llama", num_blocks=192)
     dur = budget.scale_duration
     cdur = max(0.2, dur / 3)
-    for cfg_name, cfg, ops in (("small", small, ("life", "alloc_free_kernel", "append")),
+    for cfg_name, cfg, ops in (("small", small, ("life", "alloc_free_kernel",
+                                                 "alloc_free_kernel_shared", "append")),
                                ("llama", llama, ("append",))):
         name = seg_name(f"scale-{cfg_name}")
         cache = shmkv.KVCache.create(name, cfg)

@@ -52,6 +52,9 @@ def proc_worker(name, op, duration_s, barrier, conn):
             elif op == "alloc_free_kernel":
                 _core.bench_alloc_free(cache, 200_000)
                 ops += 200_000
+            elif op == "alloc_free_kernel_shared":     # the shared pool, no process cache
+                _core.bench_alloc_free(cache, 200_000, shared=True)
+                ops += 200_000
             elif op == "cpu_ceiling":               # no shared state: the machine's scaling
                 x = 0
                 for i in range(256):

@@ -42,7 +42,17 @@ cdef extern from "_kernels.h" nogil:
     long shmkv_crash_countdown
     void shmkv_crash(int id)
     int SHMKV_CP_COW_AFTER_COPY, SHMKV_CP_APPEND_BEFORE_PUBLISH, SHMKV_CP_APPEND_AFTER_PUBLISH
-    double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters)
+    double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters, int shared)
+    const int SHMKV_PC_GLOBAL[]
+    void shmkv_counts(const shmkv_ctx_t *c, uint64_t *free_blocks, uint64_t *cached,
+                      uint64_t *live_seqs)
+    int shmkv_pcache_create(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out)
+    int shmkv_pcache_grow(shmkv_ctx_t *c, uint32_t slot, const shmkv_grow_plan_t *pl)
+    int shmkv_pcache_free(shmkv_ctx_t *c, uint32_t slot)
+    int shmkv_pcache_balance_locked(shmkv_ctx_t *c)
+    int shmkv_pcache_drain_all_locked(shmkv_ctx_t *c)
+    int shmkv_quiesce_locked(shmkv_ctx_t *c)
+    void shmkv_unquiesce_locked(shmkv_ctx_t *c)
     double shmkv_bench_memcpy(uint8_t *dst, const uint8_t *src, uint64_t nbytes,
                               uint64_t span, uint64_t iters)
     int64_t shmkv_now_ns(int clk)

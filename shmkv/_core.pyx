@@ -660,9 +660,19 @@ cdef class Segment:
         cdef uint32_t target = SHMKV_NIL, src
         cdef shmkv_recovery_t r
         cdef int tries = 0
+        cdef uint64_t free_now = 0
+        if not pl.cow:
+            st = shmkv_pcache_grow(c, slot, pl)       # from this process's own cache
+            if st == SHMKV_OK:
+                return 0
+            if st != SHMKV_EAGAIN:
+                _raise(st, f"sequence {sid}")
         while True:
             _pool_lock(c)
             st = shmkv_seq_grow_locked(c, slot, pl, &target)
+            if st == SHMKV_EFULL and shmkv_pcache_drain_all_locked(c) == SHMKV_OK:
+                # blocks other processes keep in their caches are free, not "full"
+                st = shmkv_seq_grow_locked(c, slot, pl, &target)
             if st == SHMKV_EFULL:
                 # recovery before raising CacheFullError: dead processes' blocks return
                 # (a full pass only when someone is dead: a saturated pool stays cheap)
@@ -672,7 +682,9 @@ cdef class Segment:
                     if st == SHMKV_OK:
                         st = shmkv_seq_grow_locked(c, slot, pl, &target)
             if st == SHMKV_EFULL:
-                free_now = c.sh.free_top + c.sh.cached_count
+                shmkv_counts(c, &free_now, NULL, NULL)
+            elif st == SHMKV_OK:
+                shmkv_pcache_balance_locked(c)     # refill our cache while we are here
             shmkv_pool_unlock(c)
             if st == SHMKV_EAGAIN and tries < 10000:     # in-flight records all busy
                 tries += 1
@@ -747,12 +759,24 @@ cdef class Segment:
                 nfull = min((ids.shape[0] - 1) // c.cfg.block_size, c.cfg.max_blocks_per_seq)
             if nfull:
                 hashes = self._chain(ids, nfull, sd)
+        if ids is None:
+            st = shmkv_pcache_create(c, <uint32_t>priority, &sid)   # no shared line
+            if st == SHMKV_OK:
+                slot = <uint32_t>(sid % c.cfg.max_seqs)
+                c.seqs[slot].salt[0] = sd[0]
+                c.seqs[slot].salt[1] = sd[1]
+                return sid
+            if st != SHMKV_EAGAIN:
+                _raise(st, "create_sequence")
         _pool_lock(c)
         st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
+        if st == SHMKV_ESEQFULL and shmkv_pcache_drain_all_locked(c) == SHMKV_OK:
+            st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
         if (st == SHMKV_ESEQFULL and shmkv_any_dead_locked(c)
                 and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences):
             st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
         if st == SHMKV_OK:
+            shmkv_pcache_balance_locked(c)
             slot = <uint32_t>(sid % c.cfg.max_seqs)
             c.seqs[slot].salt[0] = sd[0]
             c.seqs[slot].salt[1] = sd[1]
@@ -861,13 +885,9 @@ cdef class Segment:
         cdef uint32_t slot
         if priority < 0:
             raise ValueError(f"priority: expected >= 0, got {priority}")
-        _pool_lock(c)
-        st = shmkv_sid_slot(c, s, &slot)
-        if st == SHMKV_OK:
-            c.seqs[slot].priority = <uint32_t>priority
-        shmkv_pool_unlock(c)
-        if st != SHMKV_OK:
-            _raise(st, f"sequence {s}")
+        _seq_lock(c, s, &slot)       # (a free and re-create of the slot cannot slip in)
+        c.seqs[slot].priority = <uint32_t>priority
+        shmkv_seq_unlock(c, slot)
 
     def evict(self, policy, blocks_needed, *, exclude=()):
         """Free whole sequences until ``blocks_needed`` blocks are free.
@@ -898,6 +918,7 @@ cdef class Segment:
         cdef uint32_t s
         cdef shmkv_seq_t *q
         cdef uint64_t me = c.proc_token
+        cdef uint64_t nfree
         if policy not in _POLICIES:
             raise ValueError(f"policy: expected one of {tuple(_POLICIES)}, got {policy!r}")
         if isinstance(blocks_needed, bool) or not isinstance(blocks_needed, (int, np.integer)):
@@ -910,7 +931,8 @@ cdef class Segment:
         evicted = []
         _pool_lock(c)
         try:
-            if c.sh.free_top + c.sh.cached_count >= blocks_needed:
+            shmkv_counts(c, &nfree, NULL, NULL)
+            if nfree >= blocks_needed:
                 return evicted
             cands = []
             for s in range(c.cfg.max_seqs):
@@ -933,7 +955,8 @@ cdef class Segment:
                 cands.append((key, s))
             cands.sort()
             for key, s in cands:
-                if c.sh.free_top + c.sh.cached_count >= blocks_needed:
+                shmkv_counts(c, &nfree, NULL, NULL)
+                if nfree >= blocks_needed:
                     break
                 q = &c.seqs[s]
                 if not shmkv_atomic_cas_u64(&q.writer, 0, me):
@@ -1044,13 +1067,23 @@ cdef class Segment:
         cdef shmkv_ctx_t *c = self._c()
         cdef int64_t s = _as_sid(sid), child = -1
         cdef int st
+        cdef uint32_t slot
         cdef shmkv_recovery_t r
-        _pool_lock(c)
+        # the parent's lock: its free may run on its owner's fast path (no pool lock)
+        _seq_lock(c, s, &slot)
+        try:
+            _pool_lock(c)
+        except BaseException:
+            shmkv_seq_unlock(c, slot)
+            raise
         st = shmkv_seq_fork_locked(c, s, &child)
+        if st == SHMKV_ESEQFULL and shmkv_pcache_drain_all_locked(c) == SHMKV_OK:
+            st = shmkv_seq_fork_locked(c, s, &child)
         if (st == SHMKV_ESEQFULL and shmkv_any_dead_locked(c)
                 and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences):
             st = shmkv_seq_fork_locked(c, s, &child)
         shmkv_pool_unlock(c)
+        shmkv_seq_unlock(c, slot)
         if st != SHMKV_OK:
             if st == SHMKV_ESEQFULL:
                 raise CacheFullError(
@@ -1366,6 +1399,13 @@ cdef class Segment:
                             tp[i * W + j] = src[j]
                         for j in range(nb, W):
                             tp[i * W + j] = -1
+                    # a free on its owner's fast path takes no pool lock: an id still
+                    # live now was live, its blocks unreused, while we copied
+                    for i in range(B):
+                        if shmkv_sid_slot(c, sp[i], &sl) != SHMKV_OK:
+                            st = SHMKV_ENOSEQ
+                            bad = sp[i]
+                            break
             finally:
                 shmkv_pool_unlock(c)
         finally:
@@ -1383,12 +1423,20 @@ cdef class Segment:
         cdef uint32_t slot
         cdef int st
         _seq_lock(c, s, &slot)
+        st = shmkv_pcache_free(c, slot)            # exclusive blocks: into our cache
+        if st == SHMKV_OK:
+            return
+        if st != SHMKV_EAGAIN:
+            shmkv_seq_unlock(c, slot)
+            _raise(st, f"free({s})")
         try:
             _pool_lock(c)
         except BaseException:
             shmkv_seq_unlock(c, slot)
             raise
         st = shmkv_seq_free_locked(c, slot)        # releases the sequence lock on OK
+        if st == SHMKV_OK:
+            shmkv_pcache_balance_locked(c)
         shmkv_pool_unlock(c)
         if st != SHMKV_OK:
             shmkv_seq_unlock(c, slot)
@@ -1413,13 +1461,15 @@ cdef class Segment:
         cdef shmkv_ctx_t *c = self._c()
         cdef int64_t s = _as_sid(sid)
         cdef uint32_t slot
-        _pool_lock(c)
-        st = shmkv_sid_slot(c, s, &slot)
-        if st == SHMKV_OK:
-            c.seqs[slot].owner = owner if owner != 1 else c.proc_token
+        _seq_lock(c, s, &slot)       # (a free and re-create of the slot cannot slip in)
+        try:
+            _pool_lock(c)
+        except BaseException:
+            shmkv_seq_unlock(c, slot)
+            raise
+        c.seqs[slot].owner = owner if owner != 1 else c.proc_token
         shmkv_pool_unlock(c)
-        if st != SHMKV_OK:
-            _raise(st, f"sequence {s}")
+        shmkv_seq_unlock(c, slot)
         return 0
 
     def detach(self, sid):
@@ -1443,6 +1493,8 @@ cdef class Segment:
         pid = None
         if tok != 0 and (tok & 0xffffffff) - 1 < c.cfg.max_procs:
             pid = c.procs[(tok & 0xffffffff) - 1].pid
+        if st == SHMKV_OK:
+            st = shmkv_sid_slot(c, s, &slot)      # freed meanwhile (no pool lock)?
         shmkv_pool_unlock(c)
         if st != SHMKV_OK:
             _raise(st, f"sequence {s}")
@@ -1494,15 +1546,22 @@ cdef class Segment:
         """Counters and gauges of the whole segment (every process).
 
         ``free_blocks + used_blocks == num_blocks``; a block is used iff its refcount is
-        positive.  ``cached_blocks`` (free, still findable by hash) count as free.
+        positive.  ``cached_blocks`` (free, still findable by hash) count as free, and so
+        do the few free blocks each process keeps in its own cache.
+        ``peak_used_blocks`` is sampled whenever a process touches the shared pool and at
+        every stats() call: a peak reached and left entirely through the processes' own
+        caches (at most 20 blocks each) between two samples is not seen.
         """
         cdef shmkv_ctx_t *c = self._c()
         cdef shmkv_shared_t *sh = c.sh
         cdef uint64_t counters[32]
-        cdef int i
+        cdef uint64_t nfree, cached, num_seqs
+        cdef int i, j
         _pool_lock(c)
-        free_top, cached = sh.free_top, sh.cached_count
-        num_seqs, num_procs, peak = sh.num_seqs, sh.num_procs, sh.peak_used
+        shmkv_counts(c, &nfree, &cached, &num_seqs)
+        if c.cfg.num_blocks - nfree > sh.peak_used:    # a sample point of the peak too
+            sh.peak_used = <uint32_t>(c.cfg.num_blocks - nfree)
+        num_procs, peak = sh.num_procs, sh.peak_used
         last_rec, max_rec = sh.last_recovery_ns, sh.max_recovery_ns
         idx_used = sh.index_used
         shmkv_pool_unlock(c)
@@ -1510,12 +1569,11 @@ cdef class Segment:
             counters[i] = shmkv_atomic_load_u64_relaxed(&sh.counters[i])
         for i in range(c.cfg.max_procs):
             if c.procs[i].state == SHMKV_PROC_ACTIVE:
-                counters[<int>SHMKV_C_APPENDED_TOKENS] += shmkv_atomic_load_u64_relaxed(
-                    &c.procs[i].counters[<int>SHMKV_PC_APPENDED])
-                counters[<int>SHMKV_C_GATHERED_TOKENS] += shmkv_atomic_load_u64_relaxed(
-                    &c.procs[i].counters[<int>SHMKV_PC_GATHERED])
-        d = dict(num_blocks=c.cfg.num_blocks, free_blocks=free_top + cached,
-                 used_blocks=c.cfg.num_blocks - free_top - cached, cached_blocks=cached,
+                for j in range(SHMKV_PC_NUSED):
+                    counters[SHMKV_PC_GLOBAL[j]] += shmkv_atomic_load_u64_relaxed(
+                        &c.procs[i].counters[j])
+        d = dict(num_blocks=c.cfg.num_blocks, free_blocks=nfree,
+                 used_blocks=c.cfg.num_blocks - nfree, cached_blocks=cached,
                  num_sequences=num_seqs, max_seqs=c.cfg.max_seqs, num_processes=num_procs,
                  peak_used_blocks=peak, index_entries=idx_used,
                  last_recovery_s=last_rec / 1e9, max_recovery_s=max_rec / 1e9)
@@ -1533,9 +1591,26 @@ cdef class Segment:
             by another process right now get the checks that hold mid-operation.
         """
         cdef shmkv_ctx_t *c = self._c()
+        cdef int st
+        cdef shmkv_recovery_t r
         _pool_lock(c)
         try:
-            return _check_locked(c)
+            st = shmkv_quiesce_locked(c)      # every process's cache at rest
+            if st == SHMKV_EDEADHOLDER:
+                # a process died inside a fast path: what it left half-done is recovery's
+                # to finish, as for a pool lock that comes back EOWNERDEAD
+                shmkv_unquiesce_locked(c)
+                st = shmkv_recover_locked(c, &r)
+                if st == SHMKV_OK:
+                    st = shmkv_quiesce_locked(c)
+                    if st == SHMKV_EDEADHOLDER:
+                        st = SHMKV_OK           # died again just now: report what we see
+            if st != SHMKV_OK:
+                _raise(st, "check")
+            try:
+                return _check_locked(c)
+            finally:
+                shmkv_unquiesce_locked(c)
         finally:
             shmkv_pool_unlock(c)
 
@@ -1621,7 +1696,8 @@ cdef list _check_locked(shmkv_ctx_t *c):
     """All invariants; the pool lock is held.  Bounded work, bounded output."""
     cdef list bad = []
     cdef uint32_t NB = c.cfg.num_blocks, NS = c.cfg.max_seqs, NP = c.cfg.max_procs
-    cdef uint32_t i, j, b, s, nb, ln, want, top, cc, live = 0, nfree_slots, nprocs = 0
+    cdef uint32_t i, j, b, s, n, nb, ln, want, top, cc, live = 0, nfree_slots, nprocs = 0
+    cdef uint32_t ncache = 0
     cdef uint64_t tok
     cdef uint32_t *cnt = <uint32_t *>malloc(sizeof(uint32_t) * NB + 4)
     cdef uint8_t *mark = <uint8_t *>malloc(NB + 1)
@@ -1729,12 +1805,37 @@ cdef list _check_locked(shmkv_ctx_t *c):
             bad.append(f"LRU list: {i} blocks linked, cached_count says {cc}")
         if prev != c.sh.lru_tail:
             bad.append("LRU list: tail does not match the last linked block")
+        # the processes' own caches of free blocks
+        for s in range(NP):
+            if c.procs[s].state != SHMKV_PROC_ACTIVE:
+                continue
+            n = c.procs[s].cache_nblocks
+            if n > SHMKV_PCACHE_BLOCKS:
+                bad.append(f"process slot {s}: {n} cached blocks > capacity "
+                           f"{SHMKV_PCACHE_BLOCKS}")
+                continue
+            for i in range(n):
+                b = c.procs[s].cache_blocks[i]
+                if b >= NB:
+                    bad.append(f"process slot {s}: cached block {b} is not a block id")
+                    continue
+                if mark[b]:
+                    bad.append(f"process slot {s}: cached block {b} is also on another list")
+                    continue
+                mark[b] = 3
+                ncache += 1
+                if c.blocks[b].ref_cnt != 0:
+                    bad.append(f"process slot {s}: cached block {b} has ref_cnt "
+                               f"{c.blocks[b].ref_cnt}")
+                if c.blocks[b].flags & SHMKV_BLOCK_HASHED:
+                    bad.append(f"process slot {s}: cached block {b} carries a hash")
         for b in range(NB):
             if c.blocks[b].ref_cnt == 0 and not mark[b]:
-                bad.append(f"block {b}: ref_cnt 0 but on neither the free nor the LRU list "
-                           "(leaked)")
-        if top + cc + nused != NB:
-            bad.append(f"counts: free {top} + cached {cc} + used {nused} != num_blocks {NB}")
+                bad.append(f"block {b}: ref_cnt 0 but on no free list, LRU list or process "
+                           "cache (leaked)")
+        if top + cc + ncache + nused != NB:
+            bad.append(f"counts: free {top} + cached {cc} + in process caches {ncache} + "
+                       f"used {nused} != num_blocks {NB}")
         # sequence slots
         nfree_slots = _check_id_stack(bad, "sequence free stack", c.seq_free,
                                       c.sh.seq_free_top, NS, smark)
@@ -1744,10 +1845,29 @@ cdef list _check_locked(shmkv_ctx_t *c):
                 continue
             if c.seqs[s].state != SHMKV_SEQ_FREE:
                 bad.append(f"sequence free stack: slot {s} is not free")
+        for s in range(NP):
+            if c.procs[s].state != SHMKV_PROC_ACTIVE:
+                continue
+            n = c.procs[s].cache_nseqs
+            if n > SHMKV_PCACHE_SEQS:
+                bad.append(f"process slot {s}: {n} cached sequence slots > capacity "
+                           f"{SHMKV_PCACHE_SEQS}")
+                continue
+            for i in range(n):
+                j = c.procs[s].cache_seqs[i]
+                if j >= NS:
+                    bad.append(f"process slot {s}: cached sequence slot {j} is out of range")
+                elif smark[j]:
+                    bad.append(f"process slot {s}: cached sequence slot {j} is also free "
+                               "elsewhere")
+                else:
+                    smark[j] = 1
+                    nfree_slots += 1
+                    if c.seqs[j].state != SHMKV_SEQ_FREE:
+                        bad.append(f"process slot {s}: cached sequence slot {j} is not free")
         if nfree_slots + live != NS:
-            bad.append(f"sequence slots: {nfree_slots} free + {live} live != max_seqs {NS}")
-        if c.sh.num_seqs != live:
-            bad.append(f"num_sequences {c.sh.num_seqs} != {live} live sequences")
+            bad.append(f"sequence slots: {nfree_slots} free (stack and process caches) + "
+                       f"{live} live != max_seqs {NS}")
         if c.sh.num_procs != nprocs:
             bad.append(f"num_processes {c.sh.num_procs} != {nprocs} active slots")
         # the index: every entry names a hashed block with that hash
@@ -1834,7 +1954,9 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
         procs.append(dict(slot=s, pid=p.pid, pid_start=p.pid_start, gen=p.gen,
                           attach_time_ns=p.attach_time_ns, alive=alive,
                           inflight=[x for x in p.inflight[:SHMKV_INFLIGHT_PER_PROC]
-                                    if x != SHMKV_NIL]))
+                                    if x != SHMKV_NIL],
+                          cached_blocks=p.cache_nblocks if p.cache_nblocks <= SHMKV_PCACHE_BLOCKS else 0,
+                          cached_seq_slots=p.cache_nseqs if p.cache_nseqs <= SHMKV_PCACHE_SEQS else 0))
     dims[0] = NB
     refcnt = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT32, 0)
     flags = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT32, 0)
@@ -1874,18 +1996,17 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
                 for j in range(SHMKV_NCOUNTERS)}
     for s in range(NP):
         if c.procs[s].state == SHMKV_PROC_ACTIVE:
-            counters["appended_tokens"] += c.procs[s].counters[<int>SHMKV_PC_APPENDED]
-            counters["gathered_tokens"] += c.procs[s].counters[<int>SHMKV_PC_GATHERED]
-    free_top = min(sh.free_top, NB)
-    cached = min(sh.cached_count, NB)
+            for j in range(SHMKV_PC_NUSED):
+                counters[COUNTER_NAMES[SHMKV_PC_GLOBAL[j]]] += c.procs[s].counters[j]
+    cdef uint64_t nfree, cached
+    shmkv_counts(c, &nfree, &cached, NULL)
     return dict(
         name=name, segment_size=c.size, layout_version=c.hdr.layout_version,
         abi_fingerprint=c.hdr.abi_fingerprint, creator_pid=c.hdr.creator_pid,
         create_time_ns=c.hdr.create_time_ns, hash_seed=c.hdr.hash_seed,
         config=cfg, layout=_layout_dict(&c.lay),
-        free_blocks=free_top + cached, cached_blocks=cached,
-        used_blocks=NB - min(NB, free_top + cached),
-        num_sequences=sh.num_seqs, num_processes=sh.num_procs, peak_used_blocks=sh.peak_used,
+        free_blocks=nfree, cached_blocks=cached, used_blocks=NB - nfree,
+        num_sequences=len(seqs), num_processes=sh.num_procs, peak_used_blocks=sh.peak_used,
         index_entries=sh.index_used, last_recovery_s=sh.last_recovery_ns / 1e9,
         max_recovery_s=sh.max_recovery_ns / 1e9, counters=counters,
         processes=procs, sequences=seqs, ref_cnt=refcnt, block_flags=flags)
@@ -1948,12 +2069,15 @@ cdef extern from *:
     void _keep "shmkv__keep"(void *p) nogil
 
 
-def bench_alloc_free(Segment cache, uint64_t iters=1000000):
-    """Kernel-only ns per block alloc+free (pool lock included), no Python in the loop."""
+def bench_alloc_free(Segment cache, uint64_t iters=1000000, bint shared=False):
+    """Kernel-only ns per block alloc+free, no Python in the loop.  By default through
+    the path reserve()/free() take (this process's own block cache); shared=True: the
+    shared free stack under the pool lock."""
     cdef shmkv_ctx_t *c = cache._c()
     cdef double r
+    cdef int sh = shared
     with nogil:
-        r = shmkv_bench_alloc_free(c, iters)
+        r = shmkv_bench_alloc_free(c, iters, sh)
     if r < 0:
         raise CacheFullError("bench_alloc_free: no free block")
     return r
@@ -2024,7 +2148,7 @@ def struct_layout():
         ("state", <size_t>&sh.state, "I"), ("pool_lock", <size_t>&sh.pool_lock, "B"),
         ("free_top", <size_t>&sh.free_top, "I"), ("cached_count", <size_t>&sh.cached_count, "I"),
         ("lru_head", <size_t>&sh.lru_head, "I"), ("lru_tail", <size_t>&sh.lru_tail, "I"),
-        ("seq_free_top", <size_t>&sh.seq_free_top, "I"), ("num_seqs", <size_t>&sh.num_seqs, "I"),
+        ("seq_free_top", <size_t>&sh.seq_free_top, "I"),
         ("num_procs", <size_t>&sh.num_procs, "I"), ("peak_used", <size_t>&sh.peak_used, "I"),
         ("index_used", <size_t>&sh.index_used, "I"), ("index_tombs", <size_t>&sh.index_tombs, "I"),
         ("lru_clock", <size_t>&sh.lru_clock, "Q"),
@@ -2047,7 +2171,12 @@ def struct_layout():
         ("state", <size_t>&p.state, "I"), ("gen", <size_t>&p.gen, "I"),
         ("pid", <size_t>&p.pid, "Q"), ("pid_start", <size_t>&p.pid_start, "Q"),
         ("attach_time_ns", <size_t>&p.attach_time_ns, "Q"),
-        ("inflight", <size_t>&p.inflight[0], "I"), ("counters", <size_t>&p.counters[0], "Q")])
+        ("inflight", <size_t>&p.inflight[0], "I"), ("counters", <size_t>&p.counters[0], "Q"),
+        ("cache_lock", <size_t>&p.cache_lock, "Q"),
+        ("cache_nblocks", <size_t>&p.cache_nblocks, "I"),
+        ("cache_nseqs", <size_t>&p.cache_nseqs, "I"),
+        ("cache_blocks", <size_t>&p.cache_blocks[0], "I"),
+        ("cache_seqs", <size_t>&p.cache_seqs[0], "I")])
     block = _fields(<const char *>&b, [
         ("ref_cnt", <size_t>&b.ref_cnt, "I"), ("flags", <size_t>&b.flags, "I"),
         ("lru_prev", <size_t>&b.lru_prev, "I"), ("lru_next", <size_t>&b.lru_next, "I"),
@@ -2061,7 +2190,8 @@ def struct_layout():
                     pool_lock_size=sizeof(sh.pool_lock), counters=32),
         seq=dict(size=sizeof(shmkv_seq_t), fields=seq),
         proc=dict(size=sizeof(shmkv_proc_t), fields=proc, inflight=SHMKV_INFLIGHT_PER_PROC,
-                  counters=4),
+                  counters=SHMKV_PROC_COUNTERS, cache_blocks=SHMKV_PCACHE_BLOCKS,
+                  cache_seqs=SHMKV_PCACHE_SEQS),
         block=dict(size=sizeof(shmkv_block_t), fields=block),
         index=dict(size=sizeof(shmkv_index_t), fields=index),
         config=cfg_names, layout=lay_names)

@@ -129,12 +129,24 @@ static inline void shmkv_count_proc(shmkv_ctx_t *c, int which, uint64_t v) {
         shmkv_atomic_add_u64_relaxed(&c->procs[c->proc_slot].counters[which], v);
 }
 
+/* The global counter each per-process counter adds to. */
+static const int SHMKV_PC_GLOBAL[SHMKV_PC_NUSED] = {
+    SHMKV_C_APPENDED_TOKENS, SHMKV_C_GATHERED_TOKENS, SHMKV_C_ALLOCATIONS, SHMKV_C_FREES,
+    SHMKV_C_SEQS_CREATED, SHMKV_C_SEQS_FREED };
+
+/* Counts on our process slot when we have one (no shared line), else globally. */
+static inline void shmkv_count_hot(shmkv_ctx_t *c, int pc, uint64_t v) {
+    if (c->proc_slot < c->cfg.max_procs)
+        shmkv_atomic_add_u64_relaxed(&c->procs[c->proc_slot].counters[pc], v);
+    else
+        shmkv_count(c, SHMKV_PC_GLOBAL[pc], v);
+}
+
 /* Moves a process slot's counters into the global ones (pool_lock; slot released). */
 static void shmkv__fold_proc_counters(shmkv_ctx_t *c, shmkv_proc_t *p) {
-    uint64_t a = __atomic_exchange_n(&p->counters[SHMKV_PC_APPENDED], 0, __ATOMIC_RELAXED);
-    uint64_t g = __atomic_exchange_n(&p->counters[SHMKV_PC_GATHERED], 0, __ATOMIC_RELAXED);
-    shmkv_count(c, SHMKV_C_APPENDED_TOKENS, a);
-    shmkv_count(c, SHMKV_C_GATHERED_TOKENS, g);
+    for (int i = 0; i < SHMKV_PC_NUSED; i++)
+        shmkv_count(c, SHMKV_PC_GLOBAL[i],
+                    __atomic_exchange_n(&p->counters[i], 0, __ATOMIC_RELAXED));
 }
 
 /* ---- bind: validate a mapped segment and fill the ctx ------------------------------- */
@@ -437,8 +449,40 @@ static void shmkv_lru_push_tail_locked(shmkv_ctx_t *c, uint32_t b) {
 
 static void shmkv_index_remove_locked(shmkv_ctx_t *c, uint32_t b);
 
+/* Free blocks and LIVE sequences, derived without a lock: what the shared stacks hold
+ * plus what every attached process keeps in its cache.  Exact when nobody is changing
+ * them (check(), recovery), a consistent-enough gauge otherwise.  Clamped. */
+static void shmkv_counts(const shmkv_ctx_t *c, uint64_t *free_blocks, uint64_t *cached,
+                         uint64_t *live_seqs) {
+    const uint32_t NB = c->cfg.num_blocks, NS = c->cfg.max_seqs;
+    uint64_t ft = shmkv_atomic_load_u32_relaxed(&c->sh->free_top);
+    uint64_t cc = shmkv_atomic_load_u32_relaxed(&c->sh->cached_count);
+    uint64_t sf = shmkv_atomic_load_u32_relaxed(&c->sh->seq_free_top);
+    uint64_t pb = 0, ps = 0;
+    uint32_t left = shmkv_atomic_load_u32_relaxed(&c->sh->num_procs);   /* stop early */
+    for (uint32_t s = 0; s < c->cfg.max_procs && left > 0; s++) {
+        const shmkv_proc_t *p = &c->procs[s];
+        if (shmkv_atomic_load_u32_relaxed(&p->state) != SHMKV_PROC_ACTIVE) continue;
+        left--;
+        uint32_t nb = shmkv_atomic_load_u32_relaxed(&p->cache_nblocks);
+        uint32_t ns = shmkv_atomic_load_u32_relaxed(&p->cache_nseqs);
+        pb += nb <= SHMKV_PCACHE_BLOCKS ? nb : 0;
+        ps += ns <= SHMKV_PCACHE_SEQS ? ns : 0;
+    }
+    uint64_t fb = ft + cc + pb, fs = sf + ps;
+    if (cc > NB) cc = NB;
+    *free_blocks = fb < NB ? fb : NB;
+    if (cached) *cached = cc;
+    if (live_seqs) *live_seqs = fs < NS ? NS - fs : 0;
+}
+
+/* The high-water mark of used blocks, sampled whenever the shared pool is touched (a
+ * block a process takes from its own cache is not a sample point, so it may read low by
+ * at most what the caches hold). */
 static inline void shmkv__note_peak(shmkv_ctx_t *c) {
-    uint32_t used = c->cfg.num_blocks - c->sh->free_top - c->sh->cached_count;
+    uint64_t fb;
+    shmkv_counts(c, &fb, NULL, NULL);
+    uint32_t used = c->cfg.num_blocks - (uint32_t)fb;
     if (used > c->sh->peak_used) c->sh->peak_used = used;
 }
 
@@ -470,7 +514,7 @@ static int shmkv_blocks_alloc_locked(shmkv_ctx_t *c, uint32_t n, uint32_t *out) 
         shmkv_atomic_store_u32(&m->ref_cnt, 1);
         out[i] = b;
     }
-    shmkv_count(c, SHMKV_C_ALLOCATIONS, n);
+    shmkv_count_hot(c, SHMKV_PC_ALLOCATIONS, n);
     shmkv__note_peak(c);
     return SHMKV_OK;
 }
@@ -482,7 +526,7 @@ static void shmkv_block_decref_locked(shmkv_ctx_t *c, uint32_t b) {
     uint32_t prev = shmkv_atomic_sub_u32(&m->ref_cnt, 1);
     SHMKV_ASSERT(prev > 0);
     if (prev != 1) return;
-    shmkv_count(c, SHMKV_C_FREES, 1);
+    shmkv_count_hot(c, SHMKV_PC_FREES, 1);
     if (m->flags & SHMKV_BLOCK_HASHED) {
         m->last_access = ++c->sh->lru_clock;
         shmkv_lru_push_tail_locked(c, b);
@@ -561,14 +605,9 @@ static void shmkv_index_remove_locked(shmkv_ctx_t *c, uint32_t b) {
 }
 
 /* ---- sequences ------------------------------------------------------------------------ */
-/* Takes a free slot and makes it a LIVE empty sequence owned by us. */
-static int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out) {
-    shmkv_shared_t *sh = c->sh;
-    if (sh->seq_free_top > c->cfg.max_seqs) return SHMKV_ECORRUPT;
-    if (sh->seq_free_top == 0) return SHMKV_ESEQFULL;
-    uint32_t slot = c->seq_free[sh->seq_free_top - 1];
-    if (slot >= c->cfg.max_seqs || c->seqs[slot].state != SHMKV_SEQ_FREE) return SHMKV_ECORRUPT;
-    sh->seq_free_top--;
+/* Makes FREE slot `slot`, which the caller has taken off every free list, a LIVE empty
+ * sequence owned by us; returns its id. */
+static int64_t shmkv__seq_init(shmkv_ctx_t *c, uint32_t slot, uint32_t priority) {
     shmkv_seq_t *q = &c->seqs[slot];
     uint32_t gen = q->gen + 1;
     if (gen == 0 || (uint64_t)gen * c->cfg.max_seqs + slot > (uint64_t)INT64_MAX) gen = 1;
@@ -589,9 +628,19 @@ static int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *s
     q->trim_s = q->trim_d = q->trim_k = q->trim_chunk = q->trim_len = q->trim_trimmed = 0;
     shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_LIVE);    /* publish */
     SHMKV_CRASH(CREATE_MID);
-    sh->num_seqs++;
-    shmkv_count(c, SHMKV_C_SEQS_CREATED, 1);
-    *sid_out = shmkv_slot_sid(c, slot);
+    shmkv_count_hot(c, SHMKV_PC_SEQS_CREATED, 1);
+    return shmkv_slot_sid(c, slot);
+}
+
+/* Takes a slot off the shared free stack and makes it a LIVE empty sequence owned by us. */
+static int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out) {
+    shmkv_shared_t *sh = c->sh;
+    if (sh->seq_free_top > c->cfg.max_seqs) return SHMKV_ECORRUPT;
+    if (sh->seq_free_top == 0) return SHMKV_ESEQFULL;
+    uint32_t slot = c->seq_free[sh->seq_free_top - 1];
+    if (slot >= c->cfg.max_seqs || c->seqs[slot].state != SHMKV_SEQ_FREE) return SHMKV_ECORRUPT;
+    sh->seq_free_top--;
+    *sid_out = shmkv__seq_init(c, slot, priority);
     return SHMKV_OK;
 }
 
@@ -631,15 +680,14 @@ static int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot) {
     q->hashed = 0;
     q->owner = 0;
     c->seq_free[c->sh->seq_free_top++] = slot;
-    c->sh->num_seqs--;
     shmkv_atomic_store_u64_release(&q->writer, 0);
-    shmkv_count(c, SHMKV_C_SEQS_FREED, 1);
+    shmkv_count_hot(c, SHMKV_PC_SEQS_FREED, 1);
     return SHMKV_OK;
 }
 
 /* A child shares every block that holds the parent's published tokens (ref_cnt++).
- * Does not need the parent's sequence lock: the parent's table only changes under the
- * pool lock, and what lies beyond its published length is not shared. */
+ * Caller holds the pool lock and the parent's sequence lock (the parent's free may run
+ * on its owner's fast path, which takes no pool lock). */
 static int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_out) {
     uint32_t ps;
     int st = shmkv_sid_slot(c, parent, &ps);
@@ -793,6 +841,283 @@ static void shmkv_inflight_release_locked(shmkv_ctx_t *c, uint32_t target) {
             shmkv_block_decref_locked(c, target);
             break;
         }
+}
+
+/* ---- the per-process cache: a sequence's life without the pool lock ------------------ */
+/* A process keeps a few free blocks and free sequence slots in its own process slot
+ * (shmkv_proc_t.cache_*), so creating a sequence, growing it by a block and freeing it
+ * touch only lines this process owns.  The shared stacks are visited in batches on the
+ * slow paths, which bring the cache back to half full.  Recovery and check() take every
+ * cache_lock (after the pool lock), so they see the caches and the tables at rest. */
+
+static inline shmkv_proc_t *shmkv_me(const shmkv_ctx_t *c) {
+    return c->proc_slot < c->cfg.max_procs ? &c->procs[c->proc_slot] : NULL;
+}
+static inline int shmkv_pcache_trylock(shmkv_ctx_t *c, shmkv_proc_t *p) {
+    return shmkv_atomic_cas_u64(&p->cache_lock, 0, c->proc_token ? c->proc_token : 1);
+}
+static inline void shmkv_pcache_unlock(shmkv_proc_t *p) {
+    shmkv_atomic_store_u64_release(&p->cache_lock, 0);
+}
+
+/* With the pool lock held: takes process slot p's cache_lock.  Only two kinds of
+ * holder exist: p itself on a fast path (it never waits while holding it, so spin,
+ * bounded by ctx->timeout_ns) and a pool_lock holder -- which, since we hold the pool
+ * lock now, can only be one that died holding it (a dead recoverer), or p itself dead.
+ * Such a lock is taken over and EDEADHOLDER returned (holding it): what the holder left
+ * may be half-done, so a recovery pass must run before the cache is used -- see
+ * shmkv_pcache_lock_recover_locked. */
+static int shmkv_pcache_lock_locked(shmkv_ctx_t *c, shmkv_proc_t *p) {
+    if (shmkv_pcache_trylock(c, p)) return SHMKV_OK;
+    uint64_t me = c->proc_token ? c->proc_token : 1;
+    uint32_t slot = (uint32_t)(p - c->procs);
+    uint64_t owner = ((uint64_t)shmkv_atomic_load_u32(&p->gen) << 32) | (uint64_t)(slot + 1);
+    int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
+    for (unsigned spin = 1;; spin++) {
+        uint64_t holder = shmkv_atomic_load_u64(&p->cache_lock);
+        if (holder == 0) {
+            if (shmkv_pcache_trylock(c, p)) return SHMKV_OK;
+            continue;
+        }
+        /* not the owner (nor the owner's own thread when p is ours): a dead pool-lock
+         * holder's leftover.  The owner: dead, or alive and about to let go. */
+        int stale = (holder != owner) || ((spin & 255) == 0 && holder != me
+                                          && !shmkv_proc_alive(c, holder));
+        if (stale && shmkv_atomic_cas_u64(&p->cache_lock, holder, me))
+            return SHMKV_EDEADHOLDER;
+        if (spin < 256) SHMKV_PAUSE(); else sched_yield();
+        if ((spin & 255) == 0 && shmkv_now_ns(CLOCK_MONOTONIC) - t0 > c->timeout_ns)
+            return SHMKV_ETIMEDOUT;
+    }
+}
+
+static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r);
+
+/* shmkv_pcache_lock_locked, and after a takeover from a dead holder a recovery pass
+ * (which finishes or undoes what the holder left half-done) before the lock is taken
+ * again.  OK or an error; never EDEADHOLDER. */
+static int shmkv_pcache_lock_recover_locked(shmkv_ctx_t *c, shmkv_proc_t *p) {
+    for (int tries = 0;; tries++) {
+        int st = shmkv_pcache_lock_locked(c, p);
+        if (st != SHMKV_EDEADHOLDER) return st;
+        shmkv_pcache_unlock(p);
+        if (tries == 3) return SHMKV_ETIMEDOUT;
+        shmkv_recovery_t r;
+        if ((st = shmkv_recover_locked(c, &r)) != SHMKV_OK) return st;
+    }
+}
+
+/* Is cache entry b a block that may sit in a cache (free, unhashed)? */
+static inline int shmkv__cacheable(const shmkv_ctx_t *c, uint32_t b) {
+    return b < c->cfg.num_blocks && shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) == 0
+        && !(c->blocks[b].flags & SHMKV_BLOCK_HASHED);
+}
+
+/* create_sequence() from our cache.  OK, EAGAIN (cache busy or empty: take the slow
+ * path) or ECORRUPT. */
+static int shmkv_pcache_create(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out) {
+    shmkv_proc_t *p = shmkv_me(c);
+    if (p == NULL || !shmkv_pcache_trylock(c, p)) return SHMKV_EAGAIN;
+    int st = SHMKV_EAGAIN;
+    uint32_t n = p->cache_nseqs;
+    if (n > SHMKV_PCACHE_SEQS) st = SHMKV_ECORRUPT;
+    else if (n > 0) {
+        uint32_t slot = p->cache_seqs[n - 1];
+        if (slot >= c->cfg.max_seqs || shmkv_atomic_load_u32(&c->seqs[slot].state) != SHMKV_SEQ_FREE)
+            st = SHMKV_ECORRUPT;
+        else {
+            p->cache_nseqs = n - 1;
+            *sid_out = shmkv__seq_init(c, slot, priority);
+            st = SHMKV_OK;
+        }
+    }
+    shmkv_pcache_unlock(p);
+    return st;
+}
+
+/* The new tail blocks of a grow plan (no copy-on-write) from our cache, straight into
+ * the table beyond the published length, as shmkv_seq_grow_locked does.  Caller holds
+ * the sequence lock.  OK, EAGAIN (too few cached, or busy: slow path) or ECORRUPT. */
+static int shmkv_pcache_grow(shmkv_ctx_t *c, uint32_t slot, const shmkv_grow_plan_t *pl) {
+    shmkv_proc_t *p = shmkv_me(c);
+    uint32_t n = pl->new_blocks;
+    if (p == NULL || pl->cow || n == 0) return SHMKV_EAGAIN;
+    if (!shmkv_pcache_trylock(c, p)) return SHMKV_EAGAIN;
+    int st = SHMKV_OK;
+    uint32_t have = p->cache_nblocks;
+    shmkv_seq_t *q = &c->seqs[slot];
+    uint32_t nb = q->nblocks;
+    if (have > SHMKV_PCACHE_BLOCKS || nb > c->cfg.max_blocks_per_seq
+            || n > c->cfg.max_blocks_per_seq - nb) st = SHMKV_ECORRUPT;
+    else if (n > have) st = SHMKV_EAGAIN;
+    else {
+        /* all-or-nothing: every entry checked (and for repeats) before anything moves */
+        for (uint32_t i = 0; i < n && st == SHMKV_OK; i++) {
+            uint32_t b = p->cache_blocks[have - 1 - i];
+            if (!shmkv__cacheable(c, b)) st = SHMKV_ECORRUPT;
+            for (uint32_t j = 0; j < i && st == SHMKV_OK; j++)
+                if (p->cache_blocks[have - 1 - j] == b) st = SHMKV_ECORRUPT;
+        }
+    }
+    if (st == SHMKV_OK) {
+        int32_t *t = shmkv_table(c, slot);
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t b = p->cache_blocks[have - 1 - i];
+            shmkv_block_t *m = &c->blocks[b];
+            m->flags = 0;
+            m->num_tokens = 0;
+            shmkv_atomic_store_u32(&m->ref_cnt, 1);
+            t[nb + i] = (int32_t)b;
+        }
+        p->cache_nblocks = have - n;
+        SHMKV_CRASH(GROW_BEFORE_TAIL);
+        shmkv_atomic_store_u32(&q->nblocks, nb + n);    /* publish the tail */
+        SHMKV_CRASH(GROW_AFTER_TAIL);
+        shmkv_count_hot(c, SHMKV_PC_ALLOCATIONS, n);
+    }
+    shmkv_pcache_unlock(p);
+    return st;
+}
+
+/* free() into our cache, when every block of the sequence is exclusive (ref_cnt 1) and
+ * unhashed and the cache has room: then nobody else can reach those blocks (a fork takes
+ * the sequence lock we hold; a prefix hit needs a hash), so each falls to 0 with no
+ * pool lock.  Caller holds the sequence lock; on OK the kernel releases it.  OK, EAGAIN
+ * (slow path: shared or hashed blocks, cache full or busy) or ECORRUPT. */
+static int shmkv_pcache_free(shmkv_ctx_t *c, uint32_t slot) {
+    shmkv_proc_t *p = shmkv_me(c);
+    if (p == NULL) return SHMKV_EAGAIN;
+    shmkv_seq_t *q = &c->seqs[slot];
+    int st = shmkv_seq_valid(c, slot);
+    if (st != SHMKV_OK) return st;
+    uint32_t nb = q->nblocks;
+    if (nb > SHMKV_PCACHE_BLOCKS) return SHMKV_EAGAIN;
+    if (!shmkv_pcache_trylock(c, p)) return SHMKV_EAGAIN;
+    const int32_t *t = shmkv_table(c, slot);
+    uint32_t have = p->cache_nblocks, ns = p->cache_nseqs;
+    if (have > SHMKV_PCACHE_BLOCKS || ns > SHMKV_PCACHE_SEQS) st = SHMKV_ECORRUPT;
+    else if (ns == SHMKV_PCACHE_SEQS || nb > SHMKV_PCACHE_BLOCKS - have) st = SHMKV_EAGAIN;
+    for (uint32_t i = 0; i < nb && st == SHMKV_OK; i++) {
+        shmkv_block_t *m = &c->blocks[t[i]];
+        if (shmkv_atomic_load_u32(&m->ref_cnt) != 1 || (m->flags & SHMKV_BLOCK_HASHED))
+            st = SHMKV_EAGAIN;
+        for (uint32_t j = 0; j < i && st == SHMKV_OK; j++)
+            if (t[j] == t[i]) st = SHMKV_ECORRUPT;    /* ref_cnt 1 but listed twice */
+    }
+    if (st != SHMKV_OK) { shmkv_pcache_unlock(p); return st; }
+    if (__builtin_expect(shmkv_plant == SHMKV_PLANT_LEAK_ON_FREE, 0) && nb > 0) nb--;
+    for (uint32_t i = nb; i-- > 0;) {               /* tail first, as the slow path */
+        if (i == nb / 2) SHMKV_CRASH(FREE_MID);
+        uint32_t b = (uint32_t)t[i];
+        shmkv_atomic_store_u32(&c->blocks[b].ref_cnt, 0);
+        p->cache_blocks[have++] = b;
+        p->cache_nblocks = have;
+    }
+    shmkv_count_hot(c, SHMKV_PC_FREES, nb);
+    shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
+    q->nblocks = 0;
+    shmkv_atomic_store_u32_release(&q->len, 0);
+    q->hashed = 0;
+    q->owner = 0;
+    p->cache_seqs[ns] = slot;
+    p->cache_nseqs = ns + 1;
+    shmkv_atomic_store_u64_release(&q->writer, 0);
+    shmkv_count_hot(c, SHMKV_PC_SEQS_FREED, 1);
+    shmkv_pcache_unlock(p);
+    return SHMKV_OK;
+}
+
+/* Moves cache entries of process p back to the shared stacks until at most keep_b
+ * blocks and keep_s slots are left.  Caller holds the pool lock and p's cache_lock.
+ * An entry that is not what a cache may hold is dropped (recovery recounts it). */
+static void shmkv__pcache_spill_locked(shmkv_ctx_t *c, shmkv_proc_t *p, uint32_t keep_b,
+                                       uint32_t keep_s) {
+    uint32_t n = p->cache_nblocks;
+    if (n > SHMKV_PCACHE_BLOCKS) n = 0;
+    while (n > keep_b) {
+        uint32_t b = p->cache_blocks[--n];
+        if (shmkv__cacheable(c, b) && c->sh->free_top < c->cfg.num_blocks)
+            c->free_stack[c->sh->free_top++] = b;
+    }
+    p->cache_nblocks = n;
+    n = p->cache_nseqs;
+    if (n > SHMKV_PCACHE_SEQS) n = 0;
+    while (n > keep_s) {
+        uint32_t s = p->cache_seqs[--n];
+        if (s < c->cfg.max_seqs && c->seqs[s].state == SHMKV_SEQ_FREE
+                && c->sh->seq_free_top < c->cfg.max_seqs)
+            c->seq_free[c->sh->seq_free_top++] = s;
+    }
+    p->cache_nseqs = n;
+}
+
+/* Our cache back to half full (pool lock held): refilled from, or spilled to, the
+ * shared stacks.  Refills take never-cached free blocks only (never the LRU list). */
+static int shmkv_pcache_balance_locked(shmkv_ctx_t *c) {
+    shmkv_proc_t *p = shmkv_me(c);
+    if (p == NULL) return SHMKV_OK;
+    int st = shmkv_pcache_lock_recover_locked(c, p);
+    if (st != SHMKV_OK) return st;
+    const uint32_t HB = SHMKV_PCACHE_BLOCKS / 2, HS = SHMKV_PCACHE_SEQS / 2;
+    shmkv__pcache_spill_locked(c, p, HB, HS);
+    shmkv_shared_t *sh = c->sh;
+    if (sh->free_top > c->cfg.num_blocks || sh->seq_free_top > c->cfg.max_seqs)
+        st = SHMKV_ECORRUPT;
+    while (st == SHMKV_OK && p->cache_nblocks < HB && sh->free_top > 0) {
+        uint32_t b = c->free_stack[sh->free_top - 1];
+        if (!shmkv__cacheable(c, b)) { st = SHMKV_ECORRUPT; break; }
+        sh->free_top--;
+        p->cache_blocks[p->cache_nblocks++] = b;
+    }
+    while (st == SHMKV_OK && p->cache_nseqs < HS && sh->seq_free_top > 0) {
+        uint32_t s = c->seq_free[sh->seq_free_top - 1];
+        if (s >= c->cfg.max_seqs || c->seqs[s].state != SHMKV_SEQ_FREE) { st = SHMKV_ECORRUPT; break; }
+        sh->seq_free_top--;
+        p->cache_seqs[p->cache_nseqs++] = s;
+    }
+    shmkv_pcache_unlock(p);
+    return st;
+}
+
+/* Every attached process's cache back to the shared stacks (pool lock held): before
+ * CacheFullError, blocks or slots another process keeps for itself are not "full". */
+static int shmkv_pcache_drain_all_locked(shmkv_ctx_t *c) {
+    for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
+        shmkv_proc_t *p = &c->procs[s];
+        if (shmkv_atomic_load_u32(&p->state) != SHMKV_PROC_ACTIVE) continue;
+        if (shmkv_atomic_load_u32_relaxed(&p->cache_nblocks) == 0
+                && shmkv_atomic_load_u32_relaxed(&p->cache_nseqs) == 0) continue;
+        int st = shmkv_pcache_lock_recover_locked(c, p);
+        if (st != SHMKV_OK) return st;
+        if (p->state == SHMKV_PROC_ACTIVE) shmkv__pcache_spill_locked(c, p, 0, 0);
+        shmkv_pcache_unlock(p);
+    }
+    return SHMKV_OK;
+}
+
+/* Takes every ACTIVE process's cache_lock (pool lock held), so no fast path runs while
+ * the caller reads or rebuilds.  All or none: an error leaves none taken.  OK, or
+ * EDEADHOLDER (all taken, some from a dead holder: a reader must run recovery first). */
+static int shmkv_quiesce_locked(shmkv_ctx_t *c) {
+    int dead = 0;
+    for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
+        shmkv_proc_t *p = &c->procs[s];
+        if (p->state != SHMKV_PROC_ACTIVE) continue;
+        int st = shmkv_pcache_lock_locked(c, p);
+        if (st == SHMKV_EDEADHOLDER) { dead = 1; st = SHMKV_OK; }
+        if (st != SHMKV_OK) {
+            while (s-- > 0)
+                if (c->procs[s].state == SHMKV_PROC_ACTIVE) shmkv_pcache_unlock(&c->procs[s]);
+            return st;
+        }
+    }
+    return dead ? SHMKV_EDEADHOLDER : SHMKV_OK;
+}
+static void shmkv_unquiesce_locked(shmkv_ctx_t *c) {
+    uint64_t me = c->proc_token ? c->proc_token : 1;
+    for (uint32_t s = 0; s < c->cfg.max_procs; s++)
+        if (shmkv_atomic_load_u64(&c->procs[s].cache_lock) == me)
+            shmkv_pcache_unlock(&c->procs[s]);
 }
 
 /* ---- byte copies between a sequence and dense [layers][n][heads*dim] buffers ------------ */
@@ -1057,6 +1382,8 @@ static int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid
         p->pid_start = pid_start;
         p->attach_time_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
         for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) p->inflight[j] = SHMKV_NIL;
+        p->cache_nblocks = p->cache_nseqs = 0;   /* a released slot's cache went back */
+        shmkv_atomic_store_u64(&p->cache_lock, 0);
         shmkv__fold_proc_counters(c, p);   /* a slot released by a crash mid-fold */
         shmkv_atomic_store_u32(&p->gen, gen);
         shmkv_atomic_store_u32(&p->state, SHMKV_PROC_ACTIVE);
@@ -1086,6 +1413,10 @@ static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
         p->inflight[j] = SHMKV_NIL;
         if (shmkv_block_ok(c, b)) shmkv_block_decref_locked(c, b);
     }
+    if (shmkv_pcache_lock_recover_locked(c, p) == SHMKV_OK) {
+        shmkv__pcache_spill_locked(c, p, 0, 0);
+        shmkv_pcache_unlock(p);
+    }   /* else: a recovery pass returns them (the slot is released below either way) */
     shmkv__fold_proc_counters(c, p);
     shmkv_atomic_store_u32(&p->state, SHMKV_PROC_FREE);
     if (c->sh->num_procs > 0) c->sh->num_procs--;
@@ -1135,6 +1466,9 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
      * right; any other difference is a repaired inconsistency (refcounts_fixed) */
     uint32_t *gone = (uint32_t *)calloc(NB, sizeof(uint32_t));
     if (gone == NULL) return SHMKV_ESYS;
+    /* no fast path may run while the tables and caches are read and rebuilt */
+    int qst = shmkv_quiesce_locked(c);     /* (dead holders: this pass is the recovery) */
+    if (qst != SHMKV_OK && qst != SHMKV_EDEADHOLDER) { free(gone); return qst; }
 
     uint32_t nprocs = 0;
     for (uint32_t s = 0; s < NP; s++) {
@@ -1146,6 +1480,8 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
                 if (p->inflight[j] < NB) gone[p->inflight[j]]++;
                 p->inflight[j] = SHMKV_NIL;
             }
+            p->cache_nblocks = p->cache_nseqs = 0;    /* its cache is rebuilt as free */
+            shmkv_atomic_store_u64(&p->cache_lock, 0);
             shmkv__fold_proc_counters(c, p);
             shmkv_atomic_store_u32(&p->state, SHMKV_PROC_FREE);
             r->processes++;
@@ -1203,7 +1539,7 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
 
     /* recount: tables of LIVE sequences + in-flight records of live processes */
     uint32_t *cnt = (uint32_t *)calloc(NB, sizeof(uint32_t));
-    if (cnt == NULL) { free(gone); return SHMKV_ESYS; }
+    if (cnt == NULL) { free(gone); shmkv_unquiesce_locked(c); return SHMKV_ESYS; }
     uint32_t live = 0;
     for (uint32_t s = 0; s < NS; s++) {
         shmkv_seq_t *q = &c->seqs[s];
@@ -1227,8 +1563,10 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
     /* the LRU order of cached blocks survives: collect the old list first (bounded) */
     uint32_t *order = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)NB + 1);
     uint8_t *seen = (uint8_t *)calloc(NB, 1);
-    if (order == NULL || seen == NULL) {
-        free(cnt); free(order); free(seen); free(gone);
+    uint8_t *sseen = (uint8_t *)calloc(NS, 1);
+    if (order == NULL || seen == NULL || sseen == NULL) {
+        free(cnt); free(order); free(seen); free(gone); free(sseen);
+        shmkv_unquiesce_locked(c);
         return SHMKV_ESYS;
     }
     uint32_t nord = 0;
@@ -1248,6 +1586,32 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
         m->lru_prev = m->lru_next = SHMKV_NIL;
     }
     SHMKV_CRASH(RECOVER_MID);
+    /* the caches of live processes stay theirs: each entry is checked (a free, unhashed
+     * block or a FREE slot, listed once) and kept out of the shared stacks (seen = 3) */
+    for (uint32_t s = 0; s < NP; s++) {
+        shmkv_proc_t *p = &c->procs[s];
+        if (p->state != SHMKV_PROC_ACTIVE) continue;
+        uint32_t n = p->cache_nblocks <= SHMKV_PCACHE_BLOCKS ? p->cache_nblocks : 0, k = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t b = p->cache_blocks[i];
+            if (b < NB && cnt[b] == 0 && !(c->blocks[b].flags & SHMKV_BLOCK_HASHED)
+                    && seen[b] != 3) {
+                seen[b] = 3;
+                p->cache_blocks[k++] = b;
+            }
+        }
+        p->cache_nblocks = k;
+        n = p->cache_nseqs <= SHMKV_PCACHE_SEQS ? p->cache_nseqs : 0;
+        k = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t q = p->cache_seqs[i];
+            if (q < NS && c->seqs[q].state == SHMKV_SEQ_FREE && !sseen[q]) {
+                sseen[q] = 1;
+                p->cache_seqs[k++] = q;
+            }
+        }
+        p->cache_nseqs = k;
+    }
     /* index: rebuilt from the hashed blocks */
     memset(c->index, 0, c->lay.index_capacity * sizeof(shmkv_index_t));
     sh->index_used = sh->index_tombs = 0;
@@ -1274,16 +1638,17 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
         if (c->blocks[b].flags & SHMKV_BLOCK_HASHED) shmkv_lru_push_tail_locked(c, b);
     }
     for (uint32_t b = NB; b-- > 0;) {
-        if (cnt[b] == 0 && !(c->blocks[b].flags & SHMKV_BLOCK_HASHED))
+        if (cnt[b] == 0 && !(c->blocks[b].flags & SHMKV_BLOCK_HASHED) && seen[b] != 3)
             c->free_stack[sh->free_top++] = b;
     }
-    free(cnt); free(order); free(seen); free(gone);
 
     /* sequence free stack */
     sh->seq_free_top = 0;
     for (uint32_t s = NS; s-- > 0;)
-        if (c->seqs[s].state == SHMKV_SEQ_FREE) c->seq_free[sh->seq_free_top++] = s;
-    sh->num_seqs = live;
+        if (c->seqs[s].state == SHMKV_SEQ_FREE && !sseen[s]) c->seq_free[sh->seq_free_top++] = s;
+    (void)live;
+    free(cnt); free(order); free(seen); free(gone); free(sseen);
+    shmkv_unquiesce_locked(c);
 
     r->duration_ns = (uint64_t)(shmkv_now_ns(CLOCK_MONOTONIC) - t0);
     sh->last_recovery_ns = r->duration_ns;
@@ -1295,12 +1660,40 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
 }
 
 /* ---- kernel-only timing hooks (loops in C, no Python): how much is call overhead ---- */
-/* ns per alloc+free of one block, pool lock included. */
-static double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters) {
+/* ns per alloc+free of one block.  shared=0: the path reserve() and free() take -- our
+ * process's cache under its cache_lock (the shared pool only when the cache is empty);
+ * shared=1: the shared free stack under the pool lock, as a process without a cache. */
+static double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters, int shared) {
     uint32_t b;
+    shmkv_proc_t *p = shmkv_me(c);
     int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
     for (uint64_t i = 0; i < iters; i++) {
+        if (!shared && p != NULL && shmkv_pcache_trylock(c, p)) {
+            uint32_t n = p->cache_nblocks;
+            if (n > 0 && n <= SHMKV_PCACHE_BLOCKS && shmkv__cacheable(c, p->cache_blocks[n - 1])) {
+                b = p->cache_blocks[n - 1];
+                p->cache_nblocks = n - 1;
+                c->blocks[b].flags = 0;
+                c->blocks[b].num_tokens = 0;
+                shmkv_atomic_store_u32(&c->blocks[b].ref_cnt, 1);
+                shmkv_count_hot(c, SHMKV_PC_ALLOCATIONS, 1);
+                if (shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) == 1) {   /* the free */
+                    shmkv_atomic_store_u32(&c->blocks[b].ref_cnt, 0);
+                    p->cache_blocks[p->cache_nblocks++] = b;
+                    shmkv_count_hot(c, SHMKV_PC_FREES, 1);
+                }
+                shmkv_pcache_unlock(p);
+                continue;
+            }
+            shmkv_pcache_unlock(p);
+        }
         if (shmkv_pool_lock(c) != SHMKV_OK) return -1;
+        if (!shared && p != NULL && shmkv_pcache_balance_locked(c) == SHMKV_OK
+                && p->cache_nblocks > 0) {
+            shmkv_pool_unlock(c);
+            i--;                            /* refilled: this round again, on the fast path */
+            continue;
+        }
         if (shmkv_blocks_alloc_locked(c, 1, &b) != SHMKV_OK) { shmkv_pool_unlock(c); return -1; }
         shmkv_block_decref_locked(c, b);
         shmkv_pool_unlock(c);

@@ -40,8 +40,8 @@
  *
  * Truth and derived data.  The sequence slots and their block tables are the truth.
  * Every ref_cnt, the free stack, the LRU list, the index, the sequence free stack and the
- * counts are derived from them (plus the in-flight records of live processes), so recovery
- * can rebuild them after a process died at any instruction.
+ * counts are derived from them (plus the in-flight records and the block/slot caches of
+ * live processes), so recovery can rebuild them after a process died at any instruction.
  *
  * Locking.
  *   pool_lock  robust mutex; protects the free stack, LRU list, index, the sequence free
@@ -51,7 +51,15 @@
  *              changes or reads a sequence's blocks: append, reserve, gather, free, trim.
  *              The byte copies run under it, outside pool_lock, without the GIL.
  *              A holder that died is detected through the process table and cleared.
- *   Order: seq.writer before pool_lock.  Nobody waits for seq.writer holding pool_lock.
+ *   proc.cache_lock  per-process lock word over that process's cache of free blocks and
+ *              free sequence slots (and, on its fast paths, the table entries and refs it
+ *              moves).  The owner takes it for a sequence's create, a grow served from
+ *              its cache, and the free of a sequence whose blocks are all exclusive and
+ *              unhashed -- no pool_lock, no shared line.  A pool_lock holder may take any
+ *              process's cache_lock (recovery and check() take them all: the fast paths
+ *              are then quiet, so the tables they change are stable).
+ *   Order: seq.writer, pool_lock, cache_lock.  Nobody waits for seq.writer holding
+ *   pool_lock, nor for anything while holding a cache_lock.
  *
  * Liveness.  A process registers in procs[] and holds an OFD byte-range write lock on
  * byte SHMKV_LOCK_BASE + slot of the segment file; the kernel drops it when the process
@@ -66,7 +74,7 @@
 #include <pthread.h>
 
 #define SHMKV_MAGIC            0x31564b4d48535f5fULL   /* "__SHMKV1" little-endian */
-#define SHMKV_LAYOUT_VERSION   1u
+#define SHMKV_LAYOUT_VERSION   2u
 #define SHMKV_HEADER_SIZE      512u     /* shmkv_header_t is padded to this */
 #define SHMKV_SHARED_OFFSET    512u
 #define SHMKV_PAGE             4096u
@@ -102,6 +110,8 @@ enum {
     SHMKV_EVERSION = 13,    /* incompatible layout version / ABI */
     SHMKV_EBADMAGIC = 14,   /* not a shmkv segment */
     SHMKV_ENOTOWNER = 15,   /* adopt/detach of a sequence owned by a live other process */
+    SHMKV_EDEADHOLDER = 16, /* (internal) a lock was taken over from a dead holder: what it
+                               guarded may be half-changed, a recovery pass must run */
 };
 
 /* ---- dtypes ------------------------------------------------------------------------ */
@@ -202,7 +212,7 @@ typedef struct {
     uint32_t lru_head;         /* least recently used CACHED block, or NIL */
     uint32_t lru_tail;         /* most recently used CACHED block, or NIL */
     uint32_t seq_free_top;     /* entries in seq_free, 0..max_seqs */
-    uint32_t num_seqs;         /* LIVE sequences */
+    uint32_t _unused0;         /* (was num_seqs: now derived, see shmkv_counts) */
     uint32_t num_procs;        /* ACTIVE process slots */
     uint32_t peak_used;        /* high-water mark of used blocks */
     uint32_t index_used;       /* occupied index entries (tombstones excluded) */
@@ -228,9 +238,16 @@ typedef struct {
     uint32_t _pad;
 } shmkv_block_t;
 
-/* ---- one attached process (128 bytes: two cache lines, none shared with another) ---- */
-enum { SHMKV_PC_APPENDED = 0, SHMKV_PC_GATHERED = 1, SHMKV_PROC_COUNTERS = 4 };
+/* ---- one attached process (256 bytes: four cache lines, none shared with another) ---- */
+/* Hot-path statistics of one process (see shmkv_proc_t.counters); each is added to the
+ * global counter SHMKV_PC_GLOBAL[i] names. */
+enum { SHMKV_PC_APPENDED = 0, SHMKV_PC_GATHERED = 1, SHMKV_PC_ALLOCATIONS = 2,
+       SHMKV_PC_FREES = 3, SHMKV_PC_SEQS_CREATED = 4, SHMKV_PC_SEQS_FREED = 5,
+       SHMKV_PC_NUSED = 6, SHMKV_PROC_COUNTERS = 8 };  /* 6, 7: room to grow */
+#define SHMKV_PCACHE_BLOCKS 20u   /* free blocks a process keeps for itself */
+#define SHMKV_PCACHE_SEQS    8u   /* free sequence slots a process keeps for itself */
 typedef struct {
+    /* line 0: identity (peers read it to probe liveness) and in-flight records */
     uint32_t state;            /* FREE / ACTIVE; written under pool_lock */
     uint32_t gen;              /* bumped each time the slot is taken: tokens never repeat */
     uint64_t pid;              /* for display; liveness is the OFD lock, not the pid */
@@ -240,13 +257,27 @@ typedef struct {
                                /* blocks this process holds outside every table (a
                                   copy-on-write target being filled); NIL = empty.
                                   Written under pool_lock; each counts one ref. */
+    /* line 1 */
     uint64_t counters[SHMKV_PROC_COUNTERS];
-                               /* hot-path statistics of this process (appended and
-                                  gathered tokens), kept here so processes do not bounce
-                                  one shared line per token; relaxed atomics by the owner.
-                                  stats() adds them to the global counters; when the
-                                  slot is released they are folded in (pool_lock). */
-    uint8_t  _pad[32];
+                               /* hot-path statistics of this process, kept here so
+                                  processes do not bounce one shared line per call;
+                                  relaxed atomics by the owner.  stats() adds them to
+                                  the global counters; when the slot is released they
+                                  are folded in (pool_lock). */
+    /* lines 2-3: the process's own cache of free blocks and sequence slots, so that a
+     * sequence's life (create, grow by a block, free) touches no shared line and takes
+     * no pool lock.  Everything here is protected by cache_lock. */
+    uint64_t cache_lock;       /* 0 or the holder's proc token (CAS).  Taken by the owner
+                                  on its fast paths (never waiting for anything while
+                                  holding it), and by a pool_lock holder (recovery,
+                                  check, a drain before CacheFullError).
+                                  Order: seq.writer, pool_lock, cache_lock. */
+    uint32_t cache_nblocks;    /* entries of cache_blocks, 0..SHMKV_PCACHE_BLOCKS */
+    uint32_t cache_nseqs;      /* entries of cache_seqs, 0..SHMKV_PCACHE_SEQS */
+    uint32_t cache_blocks[SHMKV_PCACHE_BLOCKS];
+                               /* free blocks: ref_cnt 0, not hashed, on no list */
+    uint32_t cache_seqs[SHMKV_PCACHE_SEQS];
+                               /* FREE sequence slots on no free stack */
 } shmkv_proc_t;
 
 /* ---- one sequence slot (128 bytes) -------------------------------------------------- */
@@ -291,7 +322,9 @@ _Static_assert(sizeof(shmkv_shared_t) + SHMKV_SHARED_OFFSET <= SHMKV_PAGE,
                "shared state must fit in page 0");
 _Static_assert(sizeof(shmkv_block_t) == 48, "block meta size");
 _Static_assert(sizeof(shmkv_seq_t) == 128, "sequence slot size");
-_Static_assert(sizeof(shmkv_proc_t) == 128, "process slot size");
+_Static_assert(sizeof(shmkv_proc_t) == 256, "process slot size");
+_Static_assert(offsetof(shmkv_proc_t, counters) == 64, "proc counters on line 1");
+_Static_assert(offsetof(shmkv_proc_t, cache_lock) == 128, "proc cache on lines 2-3");
 _Static_assert(sizeof(shmkv_index_t) == 24, "index entry size");
 _Static_assert(offsetof(shmkv_shared_t, pool_lock) % SHMKV_LINE == 0, "lock on its own line");
 _Static_assert(SHMKV_NCOUNTERS <= SHMKV_COUNTER_SLOTS, "too many counters");
@@ -319,6 +352,8 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     h = shmkv_mix(h, sizeof(shmkv_index_t));
     h = shmkv_mix(h, SHMKV_INFLIGHT_PER_PROC);
     h = shmkv_mix(h, offsetof(shmkv_proc_t, counters));
+    h = shmkv_mix(h, offsetof(shmkv_proc_t, cache_seqs));
+    h = shmkv_mix(h, SHMKV_PCACHE_BLOCKS);
     h = shmkv_mix(h, SHMKV_NCOUNTERS);
     return h;
 }

@@ -15,6 +15,7 @@ cdef extern from "_layout.h" nogil:
         SHMKV_ETIMEDOUT, SHMKV_ERANGE, SHMKV_ETOOLONG, SHMKV_EPROCFULL, SHMKV_EAGAIN,
         SHMKV_EINVAL, SHMKV_ESYS, SHMKV_ENOTREADY, SHMKV_EVERSION, SHMKV_EBADMAGIC,
         SHMKV_ENOTOWNER
+        SHMKV_EDEADHOLDER
     enum:
         SHMKV_STATE_INIT, SHMKV_STATE_READY
     enum:
@@ -60,7 +61,7 @@ cdef extern from "_layout.h" nogil:
         uint32_t state
         pthread_mutex_t pool_lock
         uint32_t free_top, cached_count, lru_head, lru_tail, seq_free_top
-        uint32_t num_seqs, num_procs, peak_used, index_used, index_tombs
+        uint32_t _unused0, num_procs, peak_used, index_used, index_tombs
         uint64_t lru_clock, last_recovery_ns, max_recovery_ns
         uint64_t counters[32]
 
@@ -74,9 +75,15 @@ cdef extern from "_layout.h" nogil:
         uint32_t state, gen
         uint64_t pid, pid_start, attach_time_ns
         uint32_t inflight[8]
-        uint64_t counters[4]
+        uint64_t counters[8]
+        uint64_t cache_lock
+        uint32_t cache_nblocks, cache_nseqs
+        uint32_t cache_blocks[20]
+        uint32_t cache_seqs[8]
     enum:
-        SHMKV_PC_APPENDED, SHMKV_PC_GATHERED
+        SHMKV_PC_APPENDED, SHMKV_PC_GATHERED, SHMKV_PC_ALLOCATIONS, SHMKV_PC_FREES
+        SHMKV_PC_SEQS_CREATED, SHMKV_PC_SEQS_FREED, SHMKV_PC_NUSED, SHMKV_PROC_COUNTERS
+    uint32_t SHMKV_PCACHE_BLOCKS, SHMKV_PCACHE_SEQS
 
     ctypedef struct shmkv_seq_t:
         uint32_t state, gen

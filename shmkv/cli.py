@@ -327,6 +327,8 @@ def analyze(snap):
         d = dict(pid=int(p["pid"]), slot=int(p["slot"]), alive=bool(p["alive"]),
                  attach_time_ns=int(p["attach_time_ns"]),
                  inflight=[int(b) for b in p["inflight"] if 0 <= b < NB],
+                 cached_blocks=int(p.get("cached_blocks", 0)),
+                 cached_seq_slots=int(p.get("cached_seq_slots", 0)),
                  sequences=0, tokens=0, blocks=0, exclusive_blocks=0, _tables=[])
         procs.append(d)
         by_token[(int(p["gen"]) << 32) | (int(p["slot"]) + 1)] = d
@@ -678,12 +680,14 @@ def cmd_procs(args):
     else:
         rows = [[p["pid"], p["slot"], ("alive", "green") if p["alive"] else ("DEAD", "bold red"),
                  fmt_age(p["attach_time_ns"]), p["sequences"], p["tokens"], p["blocks"],
-                 p["exclusive_blocks"], len(p["inflight"])] for p in procs]
+                 p["exclusive_blocks"], len(p["inflight"]),
+                 f"{p['cached_blocks']}/{p['cached_seq_slots']}"] for p in procs]
         print(table(["PID", "SLOT", "STATE", "ATTACHED", "SEQS", "TOKENS", "BLOCKS", "EXCLUSIVE",
-                     "INFLIGHT"], rows, align="rrlrrrrrr"))
+                     "INFLIGHT", "CACHE"], rows, align="rrlrrrrrrr"))
     print(f"{view['alive']} live, {view['dead']['processes']} dead processes "
           f"(max {view['cfg'].max_procs}); BLOCKS: blocks its sequences reference, "
-          "EXCLUSIVE: referenced by no other process")
+          "EXCLUSIVE: referenced by no other process, CACHE: free blocks / sequence "
+          "slots it keeps for itself (counted as free)")
     hint = dead_hint(args.name, view["dead"])
     if hint:
         print(paint(hint, "bold red"))

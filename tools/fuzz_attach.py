@@ -93,17 +93,12 @@ BLOCK_SIZE, INDEX_SIZE = _ABI["block"]["size"], _ABI["index"]["size"]
 SEQ_F, PROC_F = _ABI["seq"]["fields"], _ABI["proc"]["fields"]
 SEQ_FIELDS = _flat(SEQ_F, {"salt": 2})
 PROC_FIELDS = _flat(PROC_F, {"inflight": _ABI["proc"]["inflight"],
-                             "counters": _ABI["proc"]["counters"]})
+                             "counters": _ABI["proc"]["counters"],
+                             "cache_blocks": _ABI["proc"]["cache_blocks"],
+                             "cache_seqs": _ABI["proc"]["cache_seqs"]})
 BLOCK_FIELDS = _flat(_ABI["block"]["fields"], {"hash": 2})
 INDEX_FIELDS = _flat(_ABI["index"]["fields"], {"hash": 2})
 STATE_READY, STATE_INIT = 0x52454459, 0x494E4954
-SEQ_FIELDS = [(0, "I"), (4, "I"), (8, "Q"), (16, "Q"), (24, "I"), (28, "I"), (32, "I"),
-              (36, "I"), (40, "Q"), (48, "Q"), (56, "Q")]
-PROC_FIELDS = [(0, "I"), (4, "I"), (8, "Q"), (16, "Q"), (24, "Q")] + \
-              [(32 + 4 * i, "I") for i in range(8)]
-BLOCK_FIELDS = [(0, "I"), (4, "I"), (8, "I"), (12, "I"), (16, "Q"), (24, "Q"), (32, "Q"),
-                (40, "I")]
-INDEX_FIELDS = [(0, "Q"), (8, "Q"), (16, "I")]
 
 KINDS = ("random", "header_flip", "header_field", "header_field_sum", "config",
          "body_struct", "body_raw", "body_many", "consistent_seq", "size", "state", "mutex")
