@@ -10,7 +10,10 @@ included.
 
 Three spans per size: *hot* (span = nbytes: the same buffers again and again), *matched*
 (span = the bytes of pool the timed shmkv op touches, so the floor has the same working
-set as the op), and *cold* (span well past the last-level cache).
+set as the op), and *cold* (span well past the last-level cache).  For copies of at
+least 8 MiB per array, which shmkv makes with streaming (non-temporal) stores, the same
+matched span once more with ``bench_memcpy(..., streaming=True)``: the floor of that way
+of copying (no read of the destination before it is written).
 """
 from __future__ import annotations
 
@@ -42,7 +45,12 @@ def llc_bytes() -> int:
     return best or (32 << 20)
 
 
-def memcpy_steady(nbytes: int, span: int, reps: int, min_sample_ns: float) -> dict:
+STREAM_MIN = 8 << 20          # shmkv streams copies of >= 8 MiB per K or V array
+STREAM_FLOOR = "streaming copy matched"
+
+
+def memcpy_steady(nbytes: int, span: int, reps: int, min_sample_ns: float,
+                  streaming: bool = False) -> dict:
     """Steady-state ns per memcpy of nbytes over a span (first pass cancelled).
 
     k, the number of passes, is chosen so that (k - 1) passes last about min_sample_ns
@@ -59,7 +67,8 @@ def memcpy_steady(nbytes: int, span: int, reps: int, min_sample_ns: float) -> di
         # retaken when other tasks held this thread's CPU for more than STEAL of the call
         for _ in range(5):
             c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-            ns = _core.bench_memcpy(nbytes, per * passes, span) * per * passes
+            ns = _core.bench_memcpy(nbytes, per * passes, span,
+                                    streaming=streaming) * per * passes
             w, c = time.perf_counter_ns() - w0, time.thread_time_ns() - c0
             if w - c <= STEAL * w:
                 break
@@ -106,12 +115,15 @@ def measure_floors(cfg_name, wl, ops, budget, progress, cold=True) -> list:
             continue
         ws = wl.working_set(op)
         kinds = (("memcpy matched", ws), ("memcpy hot", nbytes)) + (
-            (("memcpy cold", COLD_SPAN),) if cold else ())
+            (("memcpy cold", COLD_SPAN),) if cold else ()) + (
+            ((STREAM_FLOOR, ws),) if nbytes // 2 >= STREAM_MIN else ())
         for impl, span in kinds:
-            key = (nbytes, max(span, nbytes))
+            stream = impl == STREAM_FLOOR
+            key = (nbytes, max(span, nbytes), stream)
             if key not in done:
                 progress.step(f"{cfg_name}/floor/{op}: {impl} ({nbytes} B over {span} B)")
-                done[key] = memcpy_steady(nbytes, span, budget.floor_reps, budget.floor_ns)
+                done[key] = memcpy_steady(nbytes, span, budget.floor_reps, budget.floor_ns,
+                                          streaming=stream)
             r = record("ops", op, cfg_name, impl, done[key], kind="floor", nbytes=nbytes,
                        working_set=ws)
             out.append(r)

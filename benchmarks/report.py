@@ -89,7 +89,11 @@ def evaluate_targets(results):
         f = _floor_ns(recs, op, cfg)
         hot = _med(recs, section="ops", op=op, config=cfg, impl="memcpy hot")
         cold = _med(recs, section="ops", op=op, config=cfg, impl="memcpy cold")
+        stream = _med(recs, section="ops", op=op, config=cfg, impl="streaming copy matched")
         note = f"shmkv {fmt_ns(s)}, memcpy same working set {fmt_ns(f)}"
+        if stream:
+            note += (f"; shmkv copies this with streaming stores: ×{_ratio(s, stream):.2f} "
+                     f"of a streaming copy of the same working set ({fmt_ns(stream)})")
         for lab, fl2 in (("hot", hot), ("cold", cold)):
             if _ratio(s, fl2):
                 note += f"; ×{_ratio(s, fl2):.2f} of {lab} memcpy"

@@ -54,7 +54,7 @@ cdef extern from "_kernels.h" nogil:
     int shmkv_quiesce_locked(shmkv_ctx_t *c)
     void shmkv_unquiesce_locked(shmkv_ctx_t *c)
     double shmkv_bench_memcpy(uint8_t *dst, const uint8_t *src, uint64_t nbytes,
-                              uint64_t span, uint64_t iters)
+                              uint64_t span, uint64_t iters, int streaming)
     int64_t shmkv_now_ns(int clk)
     void shmkv_count(shmkv_ctx_t *c, int which, uint64_t v)
     void shmkv_count_proc(shmkv_ctx_t *c, int which, uint64_t v)

@@ -2083,9 +2083,10 @@ def bench_alloc_free(Segment cache, uint64_t iters=1000000, bint shared=False):
     return r
 
 
-def bench_memcpy(uint64_t nbytes, uint64_t iters=1000, uint64_t span=0):
+def bench_memcpy(uint64_t nbytes, uint64_t iters=1000, uint64_t span=0, bint streaming=False):
     """ns per plain memcpy of nbytes (the physical floor), src/dst walking `span` bytes
-    (default nbytes: hot; larger than the last-level cache: cold)."""
+    (default nbytes: hot; larger than the last-level cache: cold).  streaming=True: the
+    copy with streaming (non-temporal) stores that big appends and gathers use."""
     if span < nbytes:
         span = nbytes
     cdef uint8_t *src = <uint8_t *>malloc(span + 64)
@@ -2098,7 +2099,7 @@ def bench_memcpy(uint64_t nbytes, uint64_t iters=1000, uint64_t span=0):
     memset(dst, 2, span)
     _keep(dst)      # or the compiler drops the memset and the timed loop pays the faults
     with nogil:
-        r = shmkv_bench_memcpy(dst, src, nbytes, span, iters)
+        r = shmkv_bench_memcpy(dst, src, nbytes, span, iters, streaming)
     free(src); free(dst)
     return r
 
