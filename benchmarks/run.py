@@ -477,8 +477,10 @@ def bench_scaling(budget, progress):
                     r["rounds_kept"], r["rounds_tried"] = nkept, ntried
                     progress.result(r)
                 out += recs
-            if cfg_name == "llama":
-                out += bench_threads(cache, cfg, budget, progress)
+            # gather from threads: small (the copy stays in the caches, so two threads
+            # can only scale if the GIL is released) and llama (128 MiB from DRAM: one
+            # thread already draws most of the memory bandwidth)
+            out += bench_threads(cache, cfg_name, cfg, budget, progress)
             bad = cache.check()
             out.append(record("checks", "check_after_scaling", cfg_name, "shmkv",
                               {"ok": bad == [], "problems": bad[:20]}, kind="check"))
@@ -490,7 +492,7 @@ def bench_scaling(budget, progress):
     return out
 
 
-def bench_threads(cache, cfg, budget, progress):
+def bench_threads(cache, cfg_name, cfg, budget, progress):
     """gather 1k tokens (out=) from 1 and 2 threads of this process, in gated rounds
     (ceiling: a GIL-free C loop, bench_memcpy of 4 KiB in cache, per thread); numpy copy
     of the same bytes from 1 and 2 threads beside it: the machine's copy bandwidth."""
@@ -525,7 +527,8 @@ def bench_threads(cache, cfg, budget, progress):
 
         def run_all(n):
             return {label: scaling.run_threads(fn, n, dur) for label, fn, _ in series}
-        rounds, nkept, ntried = gated_rounds("threads gather1k_out", ceiling, run_all, (1, 2),
+        rounds, nkept, ntried = gated_rounds(f"threads {cfg_name}/gather1k_out", ceiling,
+                                             run_all, (1, 2),
                                              budget, progress)
         gate = (f"{nkept} of {ntried} rounds kept" if nkept else
                 f"machine busy: none of {ntried} rounds reached x{GATE}; all are used")
@@ -535,7 +538,7 @@ def bench_threads(cache, cfg, budget, progress):
             for rnd in rounds:
                 for n, res in rnd["res"].items():
                     rates.setdefault(n, []).append(res[label])
-            recs = scaling.scaling_records("threads", "gather1k_out", "llama", label, rates,
+            recs = scaling.scaling_records("threads", "gather1k_out", cfg_name, label, rates,
                                            None, note=f"{note}; {gate}")
             for r in recs:
                 r["nbytes"] = nbytes
@@ -543,7 +546,7 @@ def bench_threads(cache, cfg, budget, progress):
                 progress.result(r)
             out += recs
         crates, _ = _series(rounds, "ceiling")
-        recs = scaling.scaling_records("threads", "cpu_ceiling", "llama",
+        recs = scaling.scaling_records("threads", "cpu_ceiling", cfg_name,
                                        "C loop without the GIL (ceiling)", crates, None,
                                        note="bench_memcpy of 4 KiB in cache, per thread")
         for r in recs:

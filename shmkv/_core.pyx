@@ -1692,6 +1692,27 @@ cdef uint32_t _check_id_stack(list bad, str what, const uint32_t *stack, uint32_
     return top
 
 
+cdef list _check_cache_ids(list bad, uint32_t s, str what, const uint32_t *ids, uint32_t n,
+                           uint32_t cap, uint32_t limit, uint8_t *mark):
+    """The entries of process slot s's cache of `what`: count, bounds and repeats (each
+    valid one marked, like the free stacks' entries); returns the valid ones."""
+    cdef uint32_t i, x
+    if n > cap:
+        bad.append(f"process slot {s}: {n} cached {what}s > capacity {cap}")
+        return []
+    out = []
+    for i in range(n):
+        x = ids[i]
+        if x >= limit:
+            bad.append(f"process slot {s}: cached {what} {x} is out of range (< {limit})")
+        elif mark[x]:
+            bad.append(f"process slot {s}: cached {what} {x} is also free elsewhere")
+        else:
+            mark[x] = 3
+            out.append(x)
+    return out
+
+
 cdef list _check_locked(shmkv_ctx_t *c):
     """All invariants; the pool lock is held.  Bounded work, bounded output."""
     cdef list bad = []
@@ -1809,20 +1830,8 @@ cdef list _check_locked(shmkv_ctx_t *c):
         for s in range(NP):
             if c.procs[s].state != SHMKV_PROC_ACTIVE:
                 continue
-            n = c.procs[s].cache_nblocks
-            if n > SHMKV_PCACHE_BLOCKS:
-                bad.append(f"process slot {s}: {n} cached blocks > capacity "
-                           f"{SHMKV_PCACHE_BLOCKS}")
-                continue
-            for i in range(n):
-                b = c.procs[s].cache_blocks[i]
-                if b >= NB:
-                    bad.append(f"process slot {s}: cached block {b} is not a block id")
-                    continue
-                if mark[b]:
-                    bad.append(f"process slot {s}: cached block {b} is also on another list")
-                    continue
-                mark[b] = 3
+            for b in _check_cache_ids(bad, s, "block", c.procs[s].cache_blocks,
+                                      c.procs[s].cache_nblocks, SHMKV_PCACHE_BLOCKS, NB, mark):
                 ncache += 1
                 if c.blocks[b].ref_cnt != 0:
                     bad.append(f"process slot {s}: cached block {b} has ref_cnt "
@@ -1848,23 +1857,11 @@ cdef list _check_locked(shmkv_ctx_t *c):
         for s in range(NP):
             if c.procs[s].state != SHMKV_PROC_ACTIVE:
                 continue
-            n = c.procs[s].cache_nseqs
-            if n > SHMKV_PCACHE_SEQS:
-                bad.append(f"process slot {s}: {n} cached sequence slots > capacity "
-                           f"{SHMKV_PCACHE_SEQS}")
-                continue
-            for i in range(n):
-                j = c.procs[s].cache_seqs[i]
-                if j >= NS:
-                    bad.append(f"process slot {s}: cached sequence slot {j} is out of range")
-                elif smark[j]:
-                    bad.append(f"process slot {s}: cached sequence slot {j} is also free "
-                               "elsewhere")
-                else:
-                    smark[j] = 1
-                    nfree_slots += 1
-                    if c.seqs[j].state != SHMKV_SEQ_FREE:
-                        bad.append(f"process slot {s}: cached sequence slot {j} is not free")
+            for j in _check_cache_ids(bad, s, "sequence slot", c.procs[s].cache_seqs,
+                                      c.procs[s].cache_nseqs, SHMKV_PCACHE_SEQS, NS, smark):
+                nfree_slots += 1
+                if c.seqs[j].state != SHMKV_SEQ_FREE:
+                    bad.append(f"process slot {s}: cached sequence slot {j} is not free")
         if nfree_slots + live != NS:
             bad.append(f"sequence slots: {nfree_slots} free (stack and process caches) + "
                        f"{live} live != max_seqs {NS}")

@@ -1193,8 +1193,14 @@ static void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t
         uint8_t *b = buf + (uint64_t)l * n * tb;
         uint64_t p = pos, rem = n;
         while (rem) {
-            uint64_t off = p % bs, cnt = bs - off;
+            uint64_t off = p % bs, cnt = bs - off, bi = p / bs;
             if (cnt > rem) cnt = rem;
+            /* a run of consecutive block ids is one stretch of the layer: one copy (a
+             * fresh sequence's blocks mostly are, the free stack being LIFO) */
+            while (cnt < rem && t[bi + 1] == t[bi] + 1) {
+                bi++;
+                cnt += rem - cnt < bs ? rem - cnt : bs;
+            }
             uint8_t *blk = layer + ((uint64_t)t[p / bs] * bs + off) * tb;
             uint8_t *d = to_pool ? blk : b;
             const uint8_t *sp = to_pool ? b : blk;
