@@ -1673,42 +1673,24 @@ cdef int64_t _token_index(object x, str what) except? -1:
     return <int64_t>x
 
 
-cdef uint32_t _check_id_stack(list bad, str what, const uint32_t *stack, uint32_t top,
-                              uint32_t limit, uint8_t *mark):
-    """Bounds and duplicates of a stack of ids (marking each with 1); returns the top,
-    clamped to 0 when it is out of range itself."""
-    cdef uint32_t i, x
-    if top > limit:
-        bad.append(f"{what}: top {top} > capacity {limit}")
-        return 0
-    for i in range(top):
-        x = stack[i]
-        if x >= limit:
-            bad.append(f"{what}[{i}] = {x} is out of range (< {limit})")
-        elif mark[x]:
-            bad.append(f"{what}: {x} appears twice")
-        else:
-            mark[x] = 1
-    return top
-
-
-cdef list _check_cache_ids(list bad, uint32_t s, str what, const uint32_t *ids, uint32_t n,
-                           uint32_t cap, uint32_t limit, uint8_t *mark):
-    """The entries of process slot s's cache of `what`: count, bounds and repeats (each
-    valid one marked, like the free stacks' entries); returns the valid ones."""
+cdef list _check_ids(list bad, str what, const uint32_t *ids, uint32_t n, uint32_t cap,
+                     uint32_t limit, uint8_t *mark):
+    """A list of ids in the segment (a free stack, a process's cache): its count against
+    its capacity, every id against `limit`, repeats (here or on a list checked before,
+    through `mark`).  Marks and returns the valid ids."""
     cdef uint32_t i, x
     if n > cap:
-        bad.append(f"process slot {s}: {n} cached {what}s > capacity {cap}")
+        bad.append(f"{what}: {n} entries > capacity {cap}")
         return []
     out = []
     for i in range(n):
         x = ids[i]
         if x >= limit:
-            bad.append(f"process slot {s}: cached {what} {x} is out of range (< {limit})")
+            bad.append(f"{what}[{i}] = {x} is out of range (< {limit})")
         elif mark[x]:
-            bad.append(f"process slot {s}: cached {what} {x} is also free elsewhere")
+            bad.append(f"{what}: {x} appears twice, or also on another free list")
         else:
-            mark[x] = 3
+            mark[x] = 1
             out.append(x)
     return out
 
@@ -1717,7 +1699,7 @@ cdef list _check_locked(shmkv_ctx_t *c):
     """All invariants; the pool lock is held.  Bounded work, bounded output."""
     cdef list bad = []
     cdef uint32_t NB = c.cfg.num_blocks, NS = c.cfg.max_seqs, NP = c.cfg.max_procs
-    cdef uint32_t i, j, b, s, n, nb, ln, want, top, cc, live = 0, nfree_slots, nprocs = 0
+    cdef uint32_t i, j, b, s, nb, ln, want, top, cc, live = 0, nfree_slots, nprocs = 0
     cdef uint32_t ncache = 0
     cdef uint64_t tok
     cdef uint32_t *cnt = <uint32_t *>malloc(sizeof(uint32_t) * NB + 4)
@@ -1792,11 +1774,9 @@ cdef list _check_locked(shmkv_ctx_t *c):
             if rc > 0:
                 nused += 1
         cc = c.sh.cached_count
-        top = _check_id_stack(bad, "free list", c.free_stack, c.sh.free_top, NB, mark)
-        for i in range(top):
-            b = c.free_stack[i]
-            if b >= NB:
-                continue
+        valid = _check_ids(bad, "free list", c.free_stack, c.sh.free_top, NB, NB, mark)
+        top = len(valid)
+        for b in valid:
             if c.blocks[b].ref_cnt != 0:
                 bad.append(f"free list: block {b} has ref_cnt {c.blocks[b].ref_cnt}")
             if c.blocks[b].flags & SHMKV_BLOCK_HASHED:
@@ -1830,8 +1810,8 @@ cdef list _check_locked(shmkv_ctx_t *c):
         for s in range(NP):
             if c.procs[s].state != SHMKV_PROC_ACTIVE:
                 continue
-            for b in _check_cache_ids(bad, s, "block", c.procs[s].cache_blocks,
-                                      c.procs[s].cache_nblocks, SHMKV_PCACHE_BLOCKS, NB, mark):
+            for b in _check_ids(bad, f"process slot {s}: cached blocks", c.procs[s].cache_blocks,
+                                c.procs[s].cache_nblocks, SHMKV_PCACHE_BLOCKS, NB, mark):
                 ncache += 1
                 if c.blocks[b].ref_cnt != 0:
                     bad.append(f"process slot {s}: cached block {b} has ref_cnt "
@@ -1846,19 +1826,18 @@ cdef list _check_locked(shmkv_ctx_t *c):
             bad.append(f"counts: free {top} + cached {cc} + in process caches {ncache} + "
                        f"used {nused} != num_blocks {NB}")
         # sequence slots
-        nfree_slots = _check_id_stack(bad, "sequence free stack", c.seq_free,
-                                      c.sh.seq_free_top, NS, smark)
-        for i in range(nfree_slots):
-            s = c.seq_free[i]
-            if s >= NS:
-                continue
+        valid = _check_ids(bad, "sequence free stack", c.seq_free, c.sh.seq_free_top, NS,
+                           NS, smark)
+        nfree_slots = len(valid)
+        for s in valid:
             if c.seqs[s].state != SHMKV_SEQ_FREE:
                 bad.append(f"sequence free stack: slot {s} is not free")
         for s in range(NP):
             if c.procs[s].state != SHMKV_PROC_ACTIVE:
                 continue
-            for j in _check_cache_ids(bad, s, "sequence slot", c.procs[s].cache_seqs,
-                                      c.procs[s].cache_nseqs, SHMKV_PCACHE_SEQS, NS, smark):
+            for j in _check_ids(bad, f"process slot {s}: cached sequence slots",
+                                c.procs[s].cache_seqs, c.procs[s].cache_nseqs,
+                                SHMKV_PCACHE_SEQS, NS, smark):
                 nfree_slots += 1
                 if c.seqs[j].state != SHMKV_SEQ_FREE:
                     bad.append(f"process slot {s}: cached sequence slot {j} is not free")
