@@ -44,6 +44,7 @@ cdef extern from "_kernels.h" nogil:
     int SHMKV_CP_COW_AFTER_COPY, SHMKV_CP_APPEND_BEFORE_PUBLISH, SHMKV_CP_APPEND_AFTER_PUBLISH
     double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters, int shared)
     const int SHMKV_PC_GLOBAL[]
+    void shmkv_counters_total(const shmkv_ctx_t *c, uint64_t *out)
     void shmkv_counts(const shmkv_ctx_t *c, uint64_t *free_blocks, uint64_t *cached,
                       uint64_t *live_seqs)
     int shmkv_pcache_create(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out)

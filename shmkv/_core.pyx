@@ -1556,7 +1556,7 @@ cdef class Segment:
         cdef shmkv_shared_t *sh = c.sh
         cdef uint64_t counters[32]
         cdef uint64_t nfree, cached, num_seqs
-        cdef int i, j
+        cdef int i
         _pool_lock(c)
         shmkv_counts(c, &nfree, &cached, &num_seqs)
         if c.cfg.num_blocks - nfree > sh.peak_used:    # a sample point of the peak too
@@ -1565,13 +1565,7 @@ cdef class Segment:
         last_rec, max_rec = sh.last_recovery_ns, sh.max_recovery_ns
         idx_used = sh.index_used
         shmkv_pool_unlock(c)
-        for i in range(SHMKV_NCOUNTERS):
-            counters[i] = shmkv_atomic_load_u64_relaxed(&sh.counters[i])
-        for i in range(c.cfg.max_procs):
-            if c.procs[i].state == SHMKV_PROC_ACTIVE:
-                for j in range(SHMKV_PC_NUSED):
-                    counters[SHMKV_PC_GLOBAL[j]] += shmkv_atomic_load_u64_relaxed(
-                        &c.procs[i].counters[j])
+        shmkv_counters_total(c, counters)
         d = dict(num_blocks=c.cfg.num_blocks, free_blocks=nfree,
                  used_blocks=c.cfg.num_blocks - nfree, cached_blocks=cached,
                  num_sequences=num_seqs, max_seqs=c.cfg.max_seqs, num_processes=num_procs,
@@ -1968,12 +1962,9 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
                 memcpy(cnp.PyArray_DATA(t), shmkv_table(c, s), nb * sizeof(int32_t))
             d["table"] = t
         seqs.append(d)
-    counters = {COUNTER_NAMES[j]: shmkv_atomic_load_u64_relaxed(&sh.counters[j])
-                for j in range(SHMKV_NCOUNTERS)}
-    for s in range(NP):
-        if c.procs[s].state == SHMKV_PROC_ACTIVE:
-            for j in range(SHMKV_PC_NUSED):
-                counters[COUNTER_NAMES[SHMKV_PC_GLOBAL[j]]] += c.procs[s].counters[j]
+    cdef uint64_t ctr[32]
+    shmkv_counters_total(c, ctr)
+    counters = {COUNTER_NAMES[j]: ctr[j] for j in range(SHMKV_NCOUNTERS)}
     cdef uint64_t nfree, cached
     shmkv_counts(c, &nfree, &cached, NULL)
     return dict(

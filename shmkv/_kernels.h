@@ -142,6 +142,19 @@ static inline void shmkv_count_hot(shmkv_ctx_t *c, int pc, uint64_t v) {
         shmkv_count(c, SHMKV_PC_GLOBAL[pc], v);
 }
 
+/* Every counter of the segment: the global ones plus what each attached process has
+ * counted on its own slot.  out has SHMKV_NCOUNTERS entries.  No lock (statistics). */
+static void shmkv_counters_total(const shmkv_ctx_t *c, uint64_t *out) {
+    for (int i = 0; i < SHMKV_NCOUNTERS; i++)
+        out[i] = shmkv_atomic_load_u64_relaxed(&c->sh->counters[i]);
+    for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
+        const shmkv_proc_t *p = &c->procs[s];
+        if (shmkv_atomic_load_u32_relaxed(&p->state) != SHMKV_PROC_ACTIVE) continue;
+        for (int i = 0; i < SHMKV_PC_NUSED; i++)
+            out[SHMKV_PC_GLOBAL[i]] += shmkv_atomic_load_u64_relaxed(&p->counters[i]);
+    }
+}
+
 /* Moves a process slot's counters into the global ones (pool_lock; slot released). */
 static void shmkv__fold_proc_counters(shmkv_ctx_t *c, shmkv_proc_t *p) {
     for (int i = 0; i < SHMKV_PC_NUSED; i++)
@@ -486,6 +499,14 @@ static inline void shmkv__note_peak(shmkv_ctx_t *c) {
     if (used > c->sh->peak_used) c->sh->peak_used = used;
 }
 
+/* A free block taken for new data, by whichever path took it: no hash, one reference. */
+static inline void shmkv__block_claim(shmkv_ctx_t *c, uint32_t b) {
+    shmkv_block_t *m = &c->blocks[b];
+    m->flags = 0;
+    m->num_tokens = 0;
+    shmkv_atomic_store_u32(&m->ref_cnt, 1);
+}
+
 /* Takes n blocks (each leaves with ref_cnt 1), never-cached ones first, then the least
  * recently used cached ones (their hashes leave the index).  All-or-nothing: EFULL
  * before any change when fewer than n are free. */
@@ -508,10 +529,7 @@ static int shmkv_blocks_alloc_locked(shmkv_ctx_t *c, uint32_t n, uint32_t *out) 
             shmkv_count(c, SHMKV_C_CACHED_EVICTED, 1);
         }
         if (i == n / 2) SHMKV_CRASH(ALLOC_MID);
-        shmkv_block_t *m = &c->blocks[b];
-        m->flags = 0;
-        m->num_tokens = 0;
-        shmkv_atomic_store_u32(&m->ref_cnt, 1);
+        shmkv__block_claim(c, b);
         out[i] = b;
     }
     shmkv_count_hot(c, SHMKV_PC_ALLOCATIONS, n);
@@ -963,10 +981,7 @@ static int shmkv_pcache_grow(shmkv_ctx_t *c, uint32_t slot, const shmkv_grow_pla
         int32_t *t = shmkv_table(c, slot);
         for (uint32_t i = 0; i < n; i++) {
             uint32_t b = p->cache_blocks[have - 1 - i];
-            shmkv_block_t *m = &c->blocks[b];
-            m->flags = 0;
-            m->num_tokens = 0;
-            shmkv_atomic_store_u32(&m->ref_cnt, 1);
+            shmkv__block_claim(c, b);
             t[nb + i] = (int32_t)b;
         }
         p->cache_nblocks = have - n;
@@ -1728,9 +1743,7 @@ static double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters, int shared)
             if (n > 0 && n <= SHMKV_PCACHE_BLOCKS && shmkv__cacheable(c, p->cache_blocks[n - 1])) {
                 b = p->cache_blocks[n - 1];
                 p->cache_nblocks = n - 1;
-                c->blocks[b].flags = 0;
-                c->blocks[b].num_tokens = 0;
-                shmkv_atomic_store_u32(&c->blocks[b].ref_cnt, 1);
+                shmkv__block_claim(c, b);
                 shmkv_count_hot(c, SHMKV_PC_ALLOCATIONS, 1);
                 if (shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) == 1) {   /* the free */
                     shmkv_atomic_store_u32(&c->blocks[b].ref_cnt, 0);

@@ -4,6 +4,7 @@ What they must never change: free_blocks/used_blocks and num_sequences stay exac
 check() stays clean, CacheFullError only when the pool is really full (blocks another
 process keeps for itself count as free), and a process that dies -- also halfway
 through a fast path -- loses nothing."""
+import os
 import threading
 
 import numpy as np
@@ -262,3 +263,51 @@ def test_bench_hook_both_paths(cache):
     assert st["allocations"] == st["frees"] == 20_000
     assert st["used_blocks"] == 0 and cache.check() == []
 
+
+
+def test_procs_command_shows_each_process_cache(cache, capsys):
+    """`shmkv procs` (and its --json) shows the blocks and slots each process keeps."""
+    import json
+
+    from shmkv import cli
+
+    s = cache.create_sequence()
+    cache.reserve(s, cache.config.block_size)
+    cache.free(s)
+    nb, ns = _proc_cache(cache)
+    assert nb > 0 and ns > 0
+    assert cli.main(["procs", cache.name, "--json"]) == 0
+    me = [p for p in json.loads(capsys.readouterr().out) if p["pid"] == os.getpid()]
+    assert me and me[0]["cached_blocks"] == nb and me[0]["cached_seq_slots"] == ns
+    assert cli.main(["procs", cache.name]) == 0
+    out = capsys.readouterr().out
+    assert "CACHE" in out and f"{nb}/{ns}" in out
+
+
+@pytest.mark.parametrize("op", ["fork", "detach", "adopt", "set_priority"])
+def test_sequence_ops_wait_for_the_sequence_lock(cache, op):
+    """fork, detach, adopt and set_priority take the sequence's lock (a free on its
+    owner's fast path takes no pool lock): while a live holder keeps it they wait, for
+    lock_timeout at most, and change nothing."""
+    info = cache._debug_info()
+    seq = _core.struct_layout()["seq"]
+    sid = cache.create_sequence()
+    cache.reserve(sid, 3)
+    slot = sid % cache.config.max_seqs
+    base = info["layout"]["off_seqs"] + seq["size"] * slot
+    writer = np.ndarray((1,), np.uint64, buffer=_raw(cache),
+                        offset=base + seq["fields"]["writer"][0])
+    writer[0] = info["proc_token"]                 # held, as by another call of ours
+    before = cache.stats()
+    cache.lock_timeout = 0.2
+    call = {"fork": lambda: cache.fork(sid), "detach": lambda: cache.detach(sid),
+            "adopt": lambda: cache.adopt(sid), "set_priority": lambda: cache.set_priority(sid, 7)}
+    with pytest.raises(shmkv.LockTimeout):
+        call[op]()
+    after = cache.stats()
+    assert after["num_sequences"] == before["num_sequences"] == 1
+    assert cache.owner_pid(sid) == os.getpid()
+    writer[0] = 0
+    call[op]()                                     # free again: it goes through
+    cache.free(sid)
+    assert cache.check() == []
