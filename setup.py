@@ -1,7 +1,9 @@
 """Build of the shmkv extension.
 
-One extension, ``shmkv._core``: the Cython class over the mapped segment, with the C
-kernels of ``_kernels.h`` compiled into it.  ``SHMKV_DEBUG=1`` builds the debug variant:
+Two extensions: ``shmkv._core``, the Cython class over the mapped segment with the C
+kernels of ``_kernels.h`` compiled into it, and ``shmkv._attention``, the paged-attention
+kernel (``kernels/attention.c``) with its wrapper, which reaches the segment through the C
+API that ``_core.pxd`` declares.  ``SHMKV_DEBUG=1`` builds the debug variant:
 C asserts and the ``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
 """
 import os
@@ -28,7 +30,7 @@ if DEBUG:
 else:
     cflags += ["-O2", "-DNDEBUG"]
 
-ext = Extension(
+core = Extension(
     "shmkv._core",
     sources=["shmkv/_core.pyx"],
     include_dirs=["shmkv", numpy.get_include()],
@@ -38,5 +40,16 @@ ext = Extension(
     depends=["shmkv/_layout.h", "shmkv/_kernels.h", "shmkv/_layout.pxd", "shmkv/_core.pxd"],
 )
 
-setup(ext_modules=cythonize([ext], compiler_directives=directives,
+# paged attention: its own module and C file; it reaches the segment through _core's C API
+attention = Extension(
+    "shmkv._attention",
+    sources=["shmkv/_attention.pyx", "shmkv/kernels/attention.c"],
+    include_dirs=["shmkv", numpy.get_include()],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    extra_compile_args=cflags,
+    libraries=["m", "pthread"],
+    depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h", "shmkv/_core.pxd"],
+)
+
+setup(ext_modules=cythonize([core, attention], compiler_directives=directives,
                             gdb_debug=False, annotate=False))

@@ -1,4 +1,5 @@
 """shmkv: a paged KV cache for LLM inference in one POSIX shared-memory segment."""
+from ._attention import get_num_threads, set_num_threads
 from .cache import KVCache
 from .config import CacheConfig
 from .errors import CacheFullError, LockTimeout, SegmentError, SequenceNotFound, ShmkvError
@@ -13,5 +14,7 @@ __all__ = [
     "SequenceNotFound",
     "SegmentError",
     "LockTimeout",
+    "set_num_threads",
+    "get_num_threads",
     "__version__",
 ]

@@ -113,3 +113,13 @@ cdef extern from "_kernels.h" nogil:
     int shmkv_any_dead_locked(shmkv_ctx_t *c)
     uint32_t shmkv_index_find_locked(shmkv_ctx_t *c, const uint64_t *h)
     int shmkv_index_insert_locked(shmkv_ctx_t *c, const uint64_t *h, uint32_t b)
+
+
+# ---- the C API of _core for sibling extension modules (shmkv/_attention.pyx, ...) ------
+# Defined in _core.pyx; Cython exports them through the module's capsule table, so the
+# kernels and their process-global state (crash points, planted bugs) live only in _core.
+cdef shmkv_ctx_t *segment_ctx(object seg) except NULL
+cdef int raise_status(int st, str what) except -1
+cdef int lock_seqs(shmkv_ctx_t *c, const int64_t *sids, Py_ssize_t n,
+                   uint32_t *slots, uint32_t *lens) except -1
+cdef void unlock_seqs(shmkv_ctx_t *c, const uint32_t *slots, Py_ssize_t n) noexcept

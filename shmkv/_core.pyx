@@ -2163,3 +2163,43 @@ def struct_layout():
         block=dict(size=sizeof(shmkv_block_t), fields=block),
         index=dict(size=sizeof(shmkv_index_t), fields=index),
         config=cfg_names, layout=lay_names)
+
+
+# --------------------------------------------------------------------------------------
+# The C API of _core for sibling extension modules (declared in _core.pxd)
+# --------------------------------------------------------------------------------------
+cdef shmkv_ctx_t *segment_ctx(object seg) except NULL:
+    """The context of an open Segment (registering this process on first use)."""
+    if not isinstance(seg, Segment):
+        raise TypeError(f"cache: expected a KVCache, got {type(seg).__name__}")
+    return (<Segment>seg)._c()
+
+
+cdef int raise_status(int st, str what) except -1:
+    return _raise(st, what)
+
+
+cdef int lock_seqs(shmkv_ctx_t *c, const int64_t *sids, Py_ssize_t n,
+                   uint32_t *slots, uint32_t *lens) except -1:
+    """Takes the sequence lock of each of sids[0..n) -- DISTINCT ids, sorted by the caller
+    in ascending slot order (sid % max_seqs), the one lock order of batch readers -- and
+    reads each length (checked against the table: never trust the segment).  On any error
+    every lock taken is released and the error raised; nothing else changes."""
+    cdef Py_ssize_t i = 0, j
+    try:
+        while i < n:
+            _seq_lock(c, sids[i], &slots[i])
+            i += 1
+            lens[i - 1] = <uint32_t>_valid_len(c, slots[i - 1], sids[i - 1])
+    except BaseException:
+        for j in range(i):
+            shmkv_seq_unlock(c, slots[j])
+        raise
+    return 0
+
+
+cdef void unlock_seqs(shmkv_ctx_t *c, const uint32_t *slots, Py_ssize_t n) noexcept:
+    cdef Py_ssize_t i
+    for i in range(n):
+        shmkv_seq_touch(c, slots[i])
+        shmkv_seq_unlock(c, slots[i])

@@ -6,6 +6,7 @@ Python-to-C transition; this module adds the constructors and the context manage
 """
 from __future__ import annotations
 
+from . import _attention
 from ._core import Segment
 from .config import CacheConfig
 
@@ -95,6 +96,55 @@ class KVCache(Segment):
         from ._core import empty_gather_buffers
 
         return empty_gather_buffers(self, n_tokens)
+
+    def attention(self, layer, q, sids, *, q_lens=None, scale=None, out=None):
+        """Paged attention over the block tables of ``sids``, for one layer.
+
+        ``softmax(q . k^T * scale) . v`` per query head, read straight from the pools (no
+        gather), accumulated in float32.  q head ``h`` reads kv head
+        ``h // (num_q_heads // num_kv_heads)`` (GQA / MQA / MHA).
+
+        Parameters
+        ----------
+        layer : int
+        q : ndarray [rows, num_q_heads, head_dim]
+            float32, float16, or the pool's dtype.  Without ``q_lens`` (decode) row ``i``
+            is one query at the last position of ``sids[i]``.
+        sids : sequence of int
+        q_lens : sequence of int, optional
+            Prefill / chunked prefill: the rows of sequence ``i`` are its last
+            ``q_lens[i]`` tokens (already written), in order, each attending causally to
+            the tokens up to and including its own position.  ``sum(q_lens) == rows``.
+        scale : float, optional
+            Default ``1 / sqrt(head_dim)``.
+        out : ndarray, optional
+            C-contiguous, writable float32 of q's shape; written and returned.
+
+        Returns
+        -------
+        ndarray, float32, q's shape.
+
+        Every sequence of the batch is held under its lock for the call (the rule of
+        :meth:`gather`), so a sequence another process appends to is read as it was
+        when the call took its lock.  The kernel runs without the GIL on the library's
+        own threads (:func:`shmkv.set_num_threads`).
+
+        Raises
+        ------
+        IndexError
+            ``layer`` out of range.
+        ValueError
+            q's rank, shape or head count; ``len(sids)`` or ``sum(q_lens)`` not matching
+            the rows; a ``q_lens[i]`` < 1 or > ``seq_len``; an empty sequence; a bad
+            ``out``.
+        TypeError
+            q's or out's dtype; an int8 pool.
+        SequenceNotFound
+            An unknown or freed sid.
+        SegmentError
+            A corrupt table or length in the segment.
+        """
+        return _attention.attention(self, layer, q, sids, q_lens, scale, out)
 
     def __enter__(self) -> "KVCache":
         return self

@@ -1,0 +1,295 @@
+# cython: language_level=3
+"""shmkv._attention: paged attention over the block tables (the wrapper of
+kernels/attention.c).
+
+It checks the arguments, takes the lock of every sequence of the batch (the rule of
+``gather``: a sequence another process is appending to is read as it was when its lock
+was taken), releases the GIL around the whole kernel call, and translates failures into
+the exceptions of shared/API.md.  ``KVCache.attention`` calls :func:`attention`.
+"""
+import math
+import operator
+
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
+from libc.stdlib cimport malloc, free
+
+from shmkv._core cimport (shmkv_ctx_t, shmkv_sid_slot, shmkv_table, segment_ctx,
+                          raise_status, lock_seqs, unlock_seqs)
+from shmkv._layout cimport *
+
+from .errors import SegmentError, SequenceNotFound
+
+cnp.import_array()
+
+cdef extern from "kernels/attention.h" nogil:
+    enum:
+        SHMKV_ATT_F32
+        SHMKV_ATT_F16
+        SHMKV_ATT_BF16
+        SHMKV_ISA_SCALAR
+        SHMKV_ISA_AVX2
+        SHMKV_ISA_AVX512
+        SHMKV_ATT_OK
+        SHMKV_ATT_ECORRUPT
+        SHMKV_ATT_ENOMEM
+    ctypedef struct shmkv_attn_args_t:
+        const uint8_t *kpool
+        const uint8_t *vpool
+        int kv_dtype
+        uint32_t num_blocks, block_size, hkv, hq, d
+        uint32_t nseq
+        const int32_t *const *tables
+        const uint32_t *seq_lens
+        const uint32_t *q_lens
+        const uint64_t *q_start
+        const void *q
+        int q_dtype
+        float *out
+        float scale
+    int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq)
+    int shmkv_attn_set_threads(int n)
+    int shmkv_attn_get_threads()
+    int shmkv_attn_cpu_isa()
+    int shmkv_attn_isa()
+    int shmkv_attn_force_isa(int isa)
+    double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink)
+
+ISA_NAMES = ("scalar", "avx2", "avx512")
+
+# pool dtype code (config.DTYPES) -> kernel element type; int8 pools are not read yet
+_KV_TYPES = {1: SHMKV_ATT_F16, 2: SHMKV_ATT_F32, 3: SHMKV_ATT_BF16}
+_POOL_NAMES = {1: "float16", 2: "float32", 3: "bfloat16", 4: "int8"}
+
+
+def set_num_threads(n):
+    """Threads of the attention kernel's own pool, the calling thread included (default:
+    the CPUs of this process's affinity mask; 0 restores that)."""
+    n = operator.index(n)
+    if n < 0 or n > 1024:
+        raise ValueError(f"n: expected 0 <= n <= 1024, got {n}")
+    shmkv_attn_set_threads(<int>n)
+
+
+def get_num_threads():
+    """Threads the attention kernel uses."""
+    return shmkv_attn_get_threads()
+
+
+def isa():
+    """The instruction set the kernel uses now: "avx512", "avx2" or "scalar"."""
+    return ISA_NAMES[shmkv_attn_isa()]
+
+
+def cpu_isa():
+    """The best instruction set this CPU runs."""
+    return ISA_NAMES[shmkv_attn_cpu_isa()]
+
+
+def _force_isa(name):
+    """Test hook: force a path ("scalar", "avx2", "avx512"), or None for the best.
+    ValueError if this CPU cannot run it.  (SHMKV_ATTN_ISA=name does it at import.)"""
+    if name is None:
+        shmkv_attn_force_isa(-1)
+        return
+    if name not in ISA_NAMES:
+        raise ValueError(f"isa: expected one of {ISA_NAMES}, got {name!r}")
+    if shmkv_attn_force_isa(ISA_NAMES.index(name)) != 0:
+        raise ValueError(f"isa {name!r}: this CPU runs at most {cpu_isa()!r}")
+
+
+def bench_read(buf, threads=None):
+    """The read floor: seconds to read every byte of ``buf`` (any C-contiguous buffer) once,
+    on ``threads`` threads of the kernel's pool (default: all of them)."""
+    cdef const uint8_t[::1] mv = memoryview(buf).cast("B")
+    cdef uint64_t sink = 0
+    cdef int t = 0 if threads is None else operator.index(threads)
+    cdef double s
+    with nogil:
+        s = shmkv_bench_read(&mv[0], <uint64_t>mv.shape[0], t, &sink)
+    return s
+
+
+cdef int _q_type(object dt, object pool_dt, int pool_code) except -1:
+    if dt == np.float32:
+        return SHMKV_ATT_F32
+    if dt == np.float16:
+        return SHMKV_ATT_F16
+    if pool_code == 3 and dt == pool_dt:
+        return SHMKV_ATT_BF16
+    raise TypeError(f"q: expected dtype float32, float16 or the pool's "
+                    f"{_POOL_NAMES.get(pool_code)}, got {dt}")
+
+
+def attention(cache, layer, q, sids, q_lens=None, scale=None, out=None):
+    """See KVCache.attention."""
+    cdef shmkv_ctx_t *c = segment_ctx(cache)
+    cdef uint32_t hkv = c.cfg.num_kv_heads, D = c.cfg.head_dim
+    # ---- arguments (nothing is locked yet) -------------------------------------------
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"layer: expected int, got {type(layer).__name__}")
+    if not 0 <= layer < c.cfg.num_layers:
+        raise IndexError(f"layer: expected 0 <= layer < {c.cfg.num_layers}, got {layer}")
+    cdef int pool_code = <int>c.cfg.dtype
+    if pool_code not in _KV_TYPES:
+        raise TypeError(f"attention: pools of dtype {_POOL_NAMES.get(pool_code, pool_code)} "
+                        f"are not supported yet (float32, float16, bfloat16 are)")
+    if not isinstance(q, np.ndarray):
+        raise TypeError(f"q: expected numpy.ndarray, got {type(q).__name__}")
+    pool_dt = cache.config.numpy_dtype
+    cdef int qt = _q_type(q.dtype, pool_dt, pool_code)
+    if q.ndim != 3:
+        raise ValueError(f"q: expected 3 dimensions [rows, num_q_heads, {D}], got shape "
+                         f"{q.shape}")
+    cdef Py_ssize_t rows = q.shape[0], hq = q.shape[1]
+    if q.shape[2] != D:
+        raise ValueError(f"q: expected head_dim {D}, got shape {q.shape}")
+    if hq < 1 or hq % hkv:
+        raise ValueError(f"q: expected num_q_heads a multiple of num_kv_heads {hkv}, got "
+                         f"{hq}")
+    if rows < 1:
+        raise ValueError(f"q: expected at least one row, got shape {q.shape}")
+    sa = _as_sids(sids)
+    cdef Py_ssize_t B = sa.shape[0], i
+    if q_lens is None:
+        if B != rows:
+            raise ValueError(f"sids: expected {rows} ids (one per row of q), got {B}")
+        la = np.ones(B, np.int64)
+    else:
+        la = _as_lens(q_lens)
+        if la.shape[0] != B:
+            raise ValueError(f"q_lens: expected {B} lengths (one per sid), got "
+                             f"{la.shape[0]}")
+        if B and la.min() < 1:
+            raise ValueError(f"q_lens: expected every length >= 1, got {la.min()}")
+        if int(la.sum()) != rows:
+            raise ValueError(f"q_lens: expected lengths summing to q's {rows} rows, got "
+                             f"{int(la.sum())}")
+    if B == 0:
+        raise ValueError("sids: expected at least one sequence")
+    if out is None:
+        oa = np.empty(q.shape, np.float32)
+    else:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out: expected numpy.ndarray, got {type(out).__name__}")
+        if out.dtype != np.float32:
+            raise TypeError(f"out: expected dtype float32, got {out.dtype}")
+        if out.shape != q.shape:
+            raise ValueError(f"out: expected shape {q.shape}, got {out.shape}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("out: expected a C-contiguous, writable array")
+        if np.shares_memory(out, q):
+            raise ValueError("out: must not overlap q")
+        oa = out
+    qa = np.ascontiguousarray(q)
+    fscale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    # ---- the distinct sequences, in lock order (ascending slot) --------------------------
+    cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(sa)
+    cdef const int64_t *lp = <const int64_t *>cnp.PyArray_DATA(la)
+    uniq = sorted(set(sa.tolist()), key=lambda s: (s % c.cfg.max_seqs, s))
+    cdef Py_ssize_t U = len(uniq)
+    ua = np.array(uniq, np.int64)
+    cdef const int64_t *up = <const int64_t *>cnp.PyArray_DATA(ua)
+    # one malloc for the per-call arrays (a few bytes per sequence)
+    cdef size_t per = sizeof(uint32_t) * 2 + sizeof(uint64_t) * 2 + sizeof(void *)
+    cdef uint8_t *mem = <uint8_t *>malloc(<size_t>(U + B) * per + 64)
+    if mem == NULL:
+        raise MemoryError()
+    cdef uint32_t *uslots = <uint32_t *>mem
+    cdef uint32_t *ulens = uslots + U
+    cdef uint32_t *slens = ulens + U
+    cdef uint32_t *qls = slens + B
+    cdef uint64_t *qst = <uint64_t *>(<uint8_t *>(qls + B) + (8 - (<size_t>(qls + B)) % 8) % 8)
+    cdef const int32_t **tabs = <const int32_t **>(qst + B)
+    cdef shmkv_attn_args_t a
+    cdef int st, bad = -1
+    cdef Py_ssize_t u, pos
+    cdef uint64_t start = 0
+    cdef bint locked = False
+    try:
+        lock_seqs(c, up, U, uslots, ulens)
+        locked = True
+        index = {uniq[u]: u for u in range(U)}
+        for i in range(B):
+            u = index[sp[i]]
+            if ulens[u] == 0:
+                raise ValueError(f"sequence {sp[i]}: empty (no tokens to attend to)")
+            if <uint64_t>lp[i] > ulens[u]:
+                raise ValueError(f"q_lens[{i}]: expected <= seq_len {ulens[u]} of sequence "
+                                 f"{sp[i]}, got {lp[i]}")
+            slens[i] = ulens[u]
+            qls[i] = <uint32_t>lp[i]
+            qst[i] = start
+            start += <uint64_t>lp[i]
+            tabs[i] = shmkv_table(c, uslots[u])
+        a.kpool = c.kpool + <uint64_t>layer * c.lay.layer_stride
+        a.vpool = c.vpool + <uint64_t>layer * c.lay.layer_stride
+        a.kv_dtype = _KV_TYPES[pool_code]
+        a.num_blocks = c.cfg.num_blocks
+        a.block_size = c.cfg.block_size
+        a.hkv = hkv
+        a.hq = <uint32_t>hq
+        a.d = D
+        a.nseq = <uint32_t>B
+        a.tables = tabs
+        a.seq_lens = slens
+        a.q_lens = qls
+        a.q_start = qst
+        a.q = cnp.PyArray_DATA(qa)
+        a.q_dtype = qt
+        a.out = <float *>cnp.PyArray_DATA(oa)
+        a.scale = <float>fscale
+        with nogil:
+            st = shmkv_attention(&a, &bad)
+        if st == SHMKV_ATT_ENOMEM:
+            raise MemoryError("attention: scratch memory")
+        if st == SHMKV_ATT_ECORRUPT:
+            raise SegmentError(f"sequence {sp[bad] if 0 <= bad < B else '?'}: its block "
+                               f"table holds a block id outside the pool", reason="corrupt")
+        if st != SHMKV_ATT_OK:
+            raise SegmentError(f"attention: kernel status {st}")
+    finally:
+        if locked:
+            unlock_seqs(c, uslots, U)
+        free(mem)
+    return oa
+
+
+cdef object _as_sids(object sids):
+    if isinstance(sids, np.ndarray):
+        if sids.ndim != 1:
+            raise ValueError(f"sids: expected a 1-d array, got shape {sids.shape}")
+        if sids.dtype.kind not in "iu" or sids.dtype.itemsize > 8:
+            raise TypeError(f"sids: expected integer ids, got dtype {sids.dtype}")
+        if sids.dtype.kind == "u" and sids.size and sids.max() > 0x7FFFFFFFFFFFFFFF:
+            raise SequenceNotFound(f"sequence {sids.max()}: unknown or freed sequence")
+        return np.ascontiguousarray(sids, dtype=np.int64)
+    out = []
+    for x in sids:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"sids: expected int ids, got {type(x).__name__}")
+        if x < 0 or x > 0x7FFFFFFFFFFFFFFF:
+            raise SequenceNotFound(f"sequence {x}: unknown or freed sequence")
+        out.append(int(x))
+    return np.array(out, dtype=np.int64)
+
+
+cdef object _as_lens(object q_lens):
+    if isinstance(q_lens, np.ndarray):
+        if q_lens.ndim != 1:
+            raise ValueError(f"q_lens: expected a 1-d array, got shape {q_lens.shape}")
+        if q_lens.dtype.kind not in "iu":
+            raise TypeError(f"q_lens: expected integers, got dtype {q_lens.dtype}")
+        if q_lens.size and q_lens.max() > 0x7FFFFFFF:
+            raise ValueError(f"q_lens: expected lengths < 2**31, got {q_lens.max()}")
+        return np.ascontiguousarray(q_lens, dtype=np.int64)
+    out = []
+    for x in q_lens:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"q_lens: expected int lengths, got {type(x).__name__}")
+        if x > 0x7FFFFFFF:
+            raise ValueError(f"q_lens: expected lengths < 2**31, got {x}")
+        out.append(int(x))
+    return np.array(out, dtype=np.int64)

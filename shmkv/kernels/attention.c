@@ -1,0 +1,580 @@
+/*
+ * kernels/attention.c -- the paged-attention kernel: work split, thread pool, ISA dispatch.
+ * See attention.h for the contract.  The per-ISA inner loops are attention_isa.h, compiled
+ * three times below (scalar, AVX2+F16C+FMA, AVX-512 F/BW/VL+F16C) under GCC target pragmas;
+ * the path is chosen at run time from the CPU's features (SHMKV_ATTN_ISA forces one).
+ */
+#define _GNU_SOURCE 1
+#include "attention.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#define TILE 16                 /* tokens per online-softmax step */
+#define QV_MAX 32               /* query vectors handled together by one work item */
+#define MIN_CHUNK 256           /* fewest tokens a split-KV chunk gets */
+
+/* ---- portable conversions (q rows, and the scalar path) ------------------------------- */
+static inline float shmkv_f16_to_f32(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    if (e == 0) {
+        if (m == 0) bits = s;
+        else {                                   /* subnormal: normalise */
+            e = 113;
+            while (!(m & 0x400u)) { m <<= 1; e--; }
+            bits = s | (e << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else if (e == 31) bits = s | 0x7f800000u | (m << 13);
+    else bits = s | ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline float shmkv_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline float shmkv_load_elem(const uint8_t *p, int dt, uint32_t i) {
+    uint16_t h;
+    switch (dt) {
+    case SHMKV_ATT_F16: memcpy(&h, p + 2 * (size_t)i, 2); return shmkv_f16_to_f32(h);
+    case SHMKV_ATT_BF16: memcpy(&h, p + 2 * (size_t)i, 2); return shmkv_bf16_to_f32(h);
+    default: { float f; memcpy(&f, p + 4 * (size_t)i, 4); return f; }
+    }
+}
+
+/* ---- the work: items and per-thread scratch ------------------------------------------- */
+typedef struct {
+    uint32_t seq, head;         /* sequence index, kv head */
+    uint32_t row0, nrows;       /* query rows [row0, row0 + nrows) of the sequence */
+    uint32_t t0, t1;            /* keys [t0, t1) this item reads */
+    int64_t part;               /* -1: final, written to out; else the partial's slot */
+} shmkv_item_t;
+
+typedef struct {                /* one thread's scratch, grown, never shrunk */
+    float *buf;
+    size_t cap;                 /* floats */
+} shmkv_scratch_t;
+
+typedef struct {
+    const shmkv_attn_args_t *a;
+    const shmkv_item_t *items;
+    float *parts;               /* [nparts][QV][d + 2]: acc, then m, l */
+    uint32_t qv_stride;         /* query vectors per partial record */
+    volatile int err;
+    volatile int bad_seq;
+} shmkv_job_t;
+
+/* Reads a block id once from shared memory and checks it. */
+static inline int shmkv_att_block(const shmkv_attn_args_t *a, const int32_t *table, uint32_t bi,
+                                  uint32_t *out) {
+    int32_t b = __atomic_load_n(&table[bi], __ATOMIC_RELAXED);
+    if (b < 0 || (uint32_t)b >= a->num_blocks) return -1;
+    *out = (uint32_t)b;
+    return 0;
+}
+
+/* Converts and pre-scales the item's query vectors: qf[(r * G + g) * d + i]. */
+static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf) {
+    const uint32_t G = a->hq / a->hkv, d = a->d;
+    const size_t esz = a->q_dtype == SHMKV_ATT_F32 ? 4 : 2;
+    for (uint32_t r = 0; r < it->nrows; r++)
+        for (uint32_t g = 0; g < G; g++) {
+            const uint64_t row = a->q_start[it->seq] + it->row0 + r;
+            const uint8_t *src = (const uint8_t *)a->q +
+                ((row * a->hq) + (uint64_t)it->head * G + g) * d * esz;
+            float *dst = qf + ((size_t)r * G + g) * d;
+            for (uint32_t i = 0; i < d; i++) dst[i] = shmkv_load_elem(src, a->q_dtype, i) * a->scale;
+        }
+}
+
+/* ---- the per-ISA item loop ------------------------------------------------------------ */
+#define SHMKV_ISA_SUFFIX scalar
+#define SHMKV_ISA_PASS 0
+#include "attention_isa.h"
+#undef SHMKV_ISA_SUFFIX
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SHMKV_HAVE_X86 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define SHMKV_ISA_SUFFIX avx2
+#undef SHMKV_ISA_PASS
+#define SHMKV_ISA_PASS 1
+#include "attention_isa.h"
+#undef SHMKV_ISA_SUFFIX
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#define SHMKV_ISA_SUFFIX avx512
+#undef SHMKV_ISA_PASS
+#define SHMKV_ISA_PASS 2
+#include "attention_isa.h"
+#undef SHMKV_ISA_SUFFIX
+#pragma GCC pop_options
+#else
+#define SHMKV_HAVE_X86 0
+#endif
+
+typedef int (*shmkv_item_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
+                             uint32_t);
+
+static int shmkv_att_isa_forced = -1;
+
+int shmkv_attn_cpu_isa(void) {
+#if SHMKV_HAVE_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("fma"))
+        return SHMKV_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("fma"))
+        return SHMKV_ISA_AVX2;
+#endif
+    return SHMKV_ISA_SCALAR;
+}
+
+int shmkv_attn_isa(void) {
+    return shmkv_att_isa_forced >= 0 ? shmkv_att_isa_forced : shmkv_attn_cpu_isa();
+}
+
+int shmkv_attn_force_isa(int isa) {
+    if (isa < 0) { shmkv_att_isa_forced = -1; return 0; }
+    if (isa > shmkv_attn_cpu_isa()) return -1;
+    shmkv_att_isa_forced = isa;
+    return 0;
+}
+
+/* The widest vector path whose width divides d (the inner loops have no tails). */
+static shmkv_item_fn shmkv_att_pick(uint32_t d) {
+    int isa = shmkv_attn_isa();
+#if SHMKV_HAVE_X86
+    if (isa >= SHMKV_ISA_AVX512 && d % 16 == 0) return shmkv_att_item_avx512;
+    if (isa >= SHMKV_ISA_AVX2 && d % 8 == 0) return shmkv_att_item_avx2;
+#else
+    (void)isa;
+#endif
+    return shmkv_att_item_scalar;
+}
+
+/* ---- the thread pool ------------------------------------------------------------------ */
+typedef void (*shmkv_task_fn)(void *ctx, uint32_t item, int tid);
+
+static struct {
+    pthread_mutex_t call_mu;    /* one call at a time; held across fork() by prepare */
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv, done_cv;
+    int wanted;                 /* threads per call, the caller included; 0 = not decided */
+    int nworkers;               /* helper threads running (wanted - 1 once started) */
+    pthread_t *tids;
+    uint64_t gen;               /* job generation */
+    int stop;
+    int pending;                /* helpers still on the current job */
+    shmkv_task_fn fn;
+    void *ctx;
+    uint32_t nitems;
+    uint32_t next;              /* next item to take (atomic) */
+    shmkv_scratch_t *scratch;   /* [wanted] */
+} P = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+        PTHREAD_COND_INITIALIZER, 0, 0, NULL, 0, 0, 0, NULL, NULL, 0, 0, NULL };
+
+static pthread_once_t shmkv_att_once = PTHREAD_ONCE_INIT;
+
+static void shmkv_pool_run_items(int tid) {
+    for (;;) {
+        uint32_t i = __atomic_fetch_add(&P.next, 1, __ATOMIC_RELAXED);
+        if (i >= P.nitems) break;
+        P.fn(P.ctx, i, tid);
+    }
+}
+
+static void *shmkv_pool_worker(void *arg) {
+    const int tid = (int)(intptr_t)arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&P.mu);
+    seen = P.gen;
+    for (;;) {
+        while (P.gen == seen && !P.stop) pthread_cond_wait(&P.work_cv, &P.mu);
+        if (P.stop) break;
+        seen = P.gen;
+        pthread_mutex_unlock(&P.mu);
+        shmkv_pool_run_items(tid);
+        pthread_mutex_lock(&P.mu);
+        if (--P.pending == 0) pthread_cond_signal(&P.done_cv);
+    }
+    pthread_mutex_unlock(&P.mu);
+    return NULL;
+}
+
+static int shmkv_affinity_count(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return n;
+    }
+    return 1;
+}
+
+/* Stops and joins the helpers (call_mu held). */
+static void shmkv_pool_stop(void) {
+    pthread_mutex_lock(&P.mu);
+    P.stop = 1;
+    pthread_cond_broadcast(&P.work_cv);
+    pthread_mutex_unlock(&P.mu);
+    for (int i = 0; i < P.nworkers; i++) pthread_join(P.tids[i], NULL);
+    free(P.tids);
+    P.tids = NULL;
+    P.nworkers = 0;
+    P.stop = 0;
+}
+
+/* Starts the helpers and the scratch table if needed (call_mu held).  0, or -1 on ENOMEM. */
+static int shmkv_pool_start(void) {
+    if (P.wanted == 0) P.wanted = shmkv_affinity_count();
+    if (P.scratch == NULL) {
+        P.scratch = calloc((size_t)P.wanted, sizeof(shmkv_scratch_t));
+        if (P.scratch == NULL) return -1;
+    }
+    if (P.nworkers == P.wanted - 1) return 0;
+    P.tids = calloc((size_t)P.wanted, sizeof(pthread_t));
+    if (P.tids == NULL) return -1;
+    pthread_mutex_lock(&P.mu);
+    for (int i = 1; i < P.wanted; i++) {
+        if (pthread_create(&P.tids[P.nworkers], NULL, shmkv_pool_worker, (void *)(intptr_t)i))
+            break;                              /* fewer helpers: still correct */
+        P.nworkers++;
+    }
+    pthread_mutex_unlock(&P.mu);
+    return 0;
+}
+
+/* Runs fn over items 0..n-1 on the caller and the helpers (call_mu held). */
+static void shmkv_pool_run(shmkv_task_fn fn, void *ctx, uint32_t n, int threads) {
+    P.fn = fn;
+    P.ctx = ctx;
+    P.nitems = n;
+    __atomic_store_n(&P.next, 0, __ATOMIC_RELAXED);
+    if (threads <= 1 || P.nworkers == 0 || n <= 1) {
+        shmkv_pool_run_items(0);
+        return;
+    }
+    pthread_mutex_lock(&P.mu);
+    P.pending = P.nworkers;
+    P.gen++;
+    pthread_cond_broadcast(&P.work_cv);
+    pthread_mutex_unlock(&P.mu);
+    shmkv_pool_run_items(0);
+    pthread_mutex_lock(&P.mu);
+    while (P.pending > 0) pthread_cond_wait(&P.done_cv, &P.mu);
+    pthread_mutex_unlock(&P.mu);
+}
+
+/* fork(): the prepare handler waits for a call in flight, so the child inherits a quiet
+ * pool; the child forgets the parent's threads (they do not exist there) and starts its
+ * own on its first call. */
+static void shmkv_att_prepare(void) { pthread_mutex_lock(&P.call_mu); }
+static void shmkv_att_parent(void) { pthread_mutex_unlock(&P.call_mu); }
+static void shmkv_att_child(void) {
+    pthread_mutex_init(&P.mu, NULL);
+    pthread_cond_init(&P.work_cv, NULL);
+    pthread_cond_init(&P.done_cv, NULL);
+    P.tids = NULL;              /* the parent's: leaked on purpose, never joined here */
+    P.nworkers = 0;
+    P.stop = 0;
+    P.pending = 0;
+    pthread_mutex_init(&P.call_mu, NULL);
+}
+static void shmkv_att_init(void) {
+    pthread_atfork(shmkv_att_prepare, shmkv_att_parent, shmkv_att_child);
+    const char *f = getenv("SHMKV_ATTN_ISA");
+    if (f && *f) {
+        int isa = !strcmp(f, "scalar") ? SHMKV_ISA_SCALAR : !strcmp(f, "avx2") ? SHMKV_ISA_AVX2
+                : !strcmp(f, "avx512") ? SHMKV_ISA_AVX512 : -1;
+        if (isa >= 0) shmkv_attn_force_isa(isa);
+    }
+}
+
+int shmkv_attn_set_threads(int n) {
+    pthread_once(&shmkv_att_once, shmkv_att_init);
+    if (n < 0) return -1;
+    pthread_mutex_lock(&P.call_mu);
+    shmkv_pool_stop();
+    for (int i = 0; P.scratch && i < P.wanted; i++) free(P.scratch[i].buf);
+    free(P.scratch);
+    P.scratch = NULL;
+    P.wanted = n == 0 ? shmkv_affinity_count() : n;
+    pthread_mutex_unlock(&P.call_mu);
+    return 0;
+}
+
+int shmkv_attn_get_threads(void) {
+    pthread_once(&shmkv_att_once, shmkv_att_init);
+    pthread_mutex_lock(&P.call_mu);
+    if (P.wanted == 0) P.wanted = shmkv_affinity_count();
+    int n = P.wanted;
+    pthread_mutex_unlock(&P.call_mu);
+    return n;
+}
+
+/* ---- the attention job ---------------------------------------------------------------- */
+static shmkv_item_fn shmkv_att_fn;
+
+static float *shmkv_scratch_get(int tid, size_t floats) {
+    shmkv_scratch_t *s = &P.scratch[tid];
+    if (s->cap < floats) {
+        float *nb = NULL;
+        if (posix_memalign((void **)&nb, 64, floats * sizeof(float))) return NULL;
+        free(s->buf);
+        s->buf = nb;
+        s->cap = floats;
+    }
+    return s->buf;
+}
+
+static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
+    shmkv_job_t *j = ctx;
+    if (j->err) return;
+    const shmkv_attn_args_t *a = j->a;
+    const shmkv_item_t *it = &j->items[i];
+    const uint32_t G = a->hq / a->hkv, nqv = it->nrows * G, d = a->d;
+    /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] */
+    float *s = shmkv_scratch_get(tid, (size_t)nqv * (2 * d + 2) + 64);
+    if (s == NULL) { j->err = SHMKV_ATT_ENOMEM; return; }
+    float *qf = s, *acc = s + (size_t)nqv * d, *m = acc + (size_t)nqv * d, *l = m + nqv;
+    shmkv_att_load_q(a, it, qf);
+    if (shmkv_att_fn(a, it, qf, acc, nqv) != 0) {
+        j->bad_seq = (int)it->seq;
+        j->err = SHMKV_ATT_ECORRUPT;
+        return;
+    }
+    if (it->part < 0) {                         /* final: normalise into out */
+        for (uint32_t r = 0; r < it->nrows; r++)
+            for (uint32_t g = 0; g < G; g++) {
+                const uint32_t v = r * G + g;
+                const uint64_t row = a->q_start[it->seq] + it->row0 + r;
+                float *o = a->out + ((row * a->hq) + (uint64_t)it->head * G + g) * d;
+                const float inv = l[v] > 0 ? 1.0f / l[v] : 0.0f;
+                for (uint32_t x = 0; x < d; x++) o[x] = acc[(size_t)v * d + x] * inv;
+            }
+    } else {                                    /* partial: acc, m, l for the merge */
+        float *p = j->parts + (size_t)it->part * j->qv_stride * (d + 2);
+        for (uint32_t v = 0; v < nqv; v++) {
+            memcpy(p + (size_t)v * (d + 2), acc + (size_t)v * d, d * sizeof(float));
+            p[(size_t)v * (d + 2) + d] = m[v];
+            p[(size_t)v * (d + 2) + d + 1] = l[v];
+        }
+    }
+}
+
+/* Grow-only buffers for items and partials (call_mu held). */
+static shmkv_item_t *shmkv_items_buf;
+static size_t shmkv_items_cap;
+static float *shmkv_parts_buf;
+static size_t shmkv_parts_cap;
+
+static int shmkv_grow(void **buf, size_t *cap, size_t need, size_t elem) {
+    if (*cap >= need) return 0;
+    size_t n = need + need / 2 + 16;
+    void *nb = realloc(*buf, n * elem);
+    if (nb == NULL) return -1;
+    *buf = nb;
+    *cap = n;
+    return 0;
+}
+
+/* Merges the partials of each split row group into out: the exact log-sum-exp merge. */
+static void shmkv_att_merge(const shmkv_attn_args_t *a, const shmkv_item_t *items, uint32_t n,
+                            const float *parts, uint32_t qv_stride) {
+    const uint32_t G = a->hq / a->hkv, d = a->d;
+    uint32_t i = 0;
+    while (i < n) {
+        if (items[i].part < 0) { i++; continue; }
+        uint32_t e = i + 1;                     /* the chunks of one (seq, head, rows) */
+        while (e < n && items[e].part >= 0 && items[e].seq == items[i].seq &&
+               items[e].head == items[i].head && items[e].row0 == items[i].row0) e++;
+        const shmkv_item_t *it = &items[i];
+        for (uint32_t r = 0; r < it->nrows; r++)
+            for (uint32_t g = 0; g < G; g++) {
+                const uint32_t v = r * G + g;
+                float M = -INFINITY;
+                for (uint32_t c = i; c < e; c++) {
+                    float mc = parts[((size_t)items[c].part * qv_stride + v) * (d + 2) + d];
+                    if (mc > M) M = mc;
+                }
+                const uint64_t row = a->q_start[it->seq] + it->row0 + r;
+                float *o = a->out + ((row * a->hq) + (uint64_t)it->head * G + g) * d;
+                float L = 0;
+                for (uint32_t x = 0; x < d; x++) o[x] = 0;
+                for (uint32_t c = i; c < e; c++) {
+                    const float *p = parts + ((size_t)items[c].part * qv_stride + v) * (d + 2);
+                    if (p[d + 1] <= 0 || p[d] == -INFINITY) continue;
+                    const float w = expf(p[d] - M);
+                    L += p[d + 1] * w;
+                    for (uint32_t x = 0; x < d; x++) o[x] += p[x] * w;
+                }
+                const float inv = L > 0 ? 1.0f / L : 0.0f;
+                for (uint32_t x = 0; x < d; x++) o[x] *= inv;
+            }
+        i = e;
+    }
+}
+
+int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
+    pthread_once(&shmkv_att_once, shmkv_att_init);
+    if (a->hkv == 0 || a->hq % a->hkv || a->d == 0 || a->block_size == 0) return SHMKV_ATT_EARG;
+    const uint32_t G = a->hq / a->hkv;
+    const uint32_t rt = G >= QV_MAX ? 1 : QV_MAX / G;      /* query rows per item */
+    pthread_mutex_lock(&P.call_mu);
+    int st = SHMKV_ATT_OK;
+    if (shmkv_pool_start() != 0) { st = SHMKV_ATT_ENOMEM; goto out; }
+    const int threads = P.nworkers + 1;
+    shmkv_att_fn = shmkv_att_pick(a->d);
+
+    /* the base items: (seq, head, row tile); the work is the keys each reads */
+    uint64_t nbase = 0, work = 0;
+    for (uint32_t s = 0; s < a->nseq; s++) nbase += (uint64_t)a->hkv * ((a->q_lens[s] + rt - 1) / rt);
+    for (uint32_t s = 0; s < a->nseq; s++) work += (uint64_t)a->seq_lens[s] * a->q_lens[s];
+    work *= a->hkv;
+    /* split the keys of a row tile into chunks when there are too few items to keep every
+     * thread busy (one long sequence); chunk >= MIN_CHUNK tokens, a multiple of TILE */
+    uint64_t chunk = UINT64_MAX;
+    const uint64_t want = (uint64_t)threads * 4;
+    if (threads > 1 && nbase < want) {
+        uint64_t longest = 0;
+        for (uint32_t s = 0; s < a->nseq; s++)
+            if (a->seq_lens[s] > longest) longest = a->seq_lens[s];
+        chunk = (longest * nbase + want - 1) / want;
+        if (chunk < MIN_CHUNK) chunk = MIN_CHUNK;
+        chunk = (chunk + TILE - 1) / TILE * TILE;
+    }
+    uint64_t nitems = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        uint64_t k = 0, part = 0;
+        for (uint32_t s = 0; s < a->nseq; s++) {
+            const uint32_t L = a->seq_lens[s], ql = a->q_lens[s];
+            for (uint32_t h = 0; h < a->hkv; h++)
+                for (uint32_t r0 = 0; r0 < ql; r0 += rt) {
+                    const uint32_t nr = ql - r0 < rt ? ql - r0 : rt;
+                    const uint32_t end = L - ql + r0 + nr;     /* keys the last row sees */
+                    const uint64_t nch = chunk == UINT64_MAX ? 1 : (end + chunk - 1) / chunk;
+                    for (uint64_t c = 0; c < nch; c++) {
+                        if (pass) {
+                            shmkv_item_t *it = &shmkv_items_buf[k];
+                            it->seq = s; it->head = h; it->row0 = r0; it->nrows = nr;
+                            it->t0 = (uint32_t)(c * (nch > 1 ? chunk : 0));
+                            it->t1 = nch > 1 && (c + 1) * chunk < end ? (uint32_t)((c + 1) * chunk) : end;
+                            it->part = nch > 1 ? (int64_t)part++ : -1;
+                        } else if (nch > 1) part++;
+                        k++;
+                    }
+                }
+        }
+        if (!pass) {
+            nitems = k;
+            if (nitems > UINT32_MAX ||
+                shmkv_grow((void **)&shmkv_items_buf, &shmkv_items_cap, nitems, sizeof(shmkv_item_t)) ||
+                shmkv_grow((void **)&shmkv_parts_buf, &shmkv_parts_cap,
+                           part * (uint64_t)rt * G * (a->d + 2) + 1, sizeof(float))) {
+                st = SHMKV_ATT_ENOMEM;
+                goto out;
+            }
+        }
+    }
+    (void)work;
+    shmkv_job_t job = { a, shmkv_items_buf, shmkv_parts_buf, rt * G, 0, -1 };
+    /* small calls (a decode step of a few short sequences) stay on the caller's thread: a
+     * wake-up costs more than it saves */
+    const int use = nitems >= 2 && work >= 8192 ? threads : 1;
+    shmkv_pool_run(shmkv_att_task, &job, (uint32_t)nitems, use);
+    if (job.err) {
+        st = job.err;
+        if (bad_seq) *bad_seq = job.bad_seq;
+        goto out;
+    }
+    if (chunk != UINT64_MAX)
+        shmkv_att_merge(a, shmkv_items_buf, (uint32_t)nitems, shmkv_parts_buf, rt * G);
+out:
+    pthread_mutex_unlock(&P.call_mu);
+    return st;
+}
+
+/* ---- the read floor ------------------------------------------------------------------- */
+typedef struct {
+    const uint8_t *buf;
+    uint64_t n, per;
+    uint64_t sums[256];
+} shmkv_read_job_t;
+
+#if SHMKV_HAVE_X86
+__attribute__((target("avx2")))
+static uint64_t shmkv_read_avx2(const uint8_t *p, uint64_t n) {
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    uint64_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(p + i)));
+        b = _mm256_xor_si256(b, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        c = _mm256_xor_si256(c, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        d = _mm256_xor_si256(d, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    a = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+    uint64_t out[4];
+    _mm256_storeu_si256((__m256i *)out, a);
+    uint64_t s = out[0] ^ out[1] ^ out[2] ^ out[3];
+    for (; i < n; i++) s += p[i];
+    return s;
+}
+#endif
+
+static uint64_t shmkv_read_plain(const uint8_t *p, uint64_t n) {
+    uint64_t s = 0, i = 0, w;
+    for (; i + 8 <= n; i += 8) { memcpy(&w, p + i, 8); s ^= w; }
+    for (; i < n; i++) s += p[i];
+    return s;
+}
+
+static void shmkv_read_task(void *ctx, uint32_t i, int tid) {
+    (void)tid;
+    shmkv_read_job_t *j = ctx;
+    uint64_t a = (uint64_t)i * j->per, b = a + j->per > j->n ? j->n : a + j->per;
+    if (a >= b) return;
+#if SHMKV_HAVE_X86
+    if (__builtin_cpu_supports("avx2")) { j->sums[i] = shmkv_read_avx2(j->buf + a, b - a); return; }
+#endif
+    j->sums[i] = shmkv_read_plain(j->buf + a, b - a);
+}
+
+double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink) {
+    pthread_once(&shmkv_att_once, shmkv_att_init);
+    pthread_mutex_lock(&P.call_mu);
+    double secs = -1;
+    if (shmkv_pool_start() == 0) {
+        int t = threads <= 0 || threads > P.nworkers + 1 ? P.nworkers + 1 : threads;
+        if (t > 256) t = 256;
+        static shmkv_read_job_t j;
+        memset(&j, 0, sizeof j);
+        j.buf = buf;
+        j.n = n;
+        j.per = ((n + (uint64_t)t - 1) / (uint64_t)t + 4095) / 4096 * 4096;
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        shmkv_pool_run(shmkv_read_task, &j, (uint32_t)t, t);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+        uint64_t s = 0;
+        for (int i = 0; i < t; i++) s ^= j.sums[i];
+        if (sink) *sink = s;
+    }
+    pthread_mutex_unlock(&P.call_mu);
+    return secs;
+}

@@ -1,0 +1,61 @@
+/*
+ * kernels/attention.h -- paged attention over block tables (decode and chunked prefill).
+ *
+ * Owns: nothing in the segment.  It READS one layer's K and V pools and the block tables of
+ * the sequences it is given; it writes only the caller's output array.  The caller (the
+ * Cython wrapper, shmkv/_attention.pyx) holds every sequence's lock for the whole call, so
+ * the tables and lengths are stable against well-behaved peers; a corrupt or hostile
+ * segment is still survived: every block id is read once from the table, checked against
+ * num_blocks, and only the checked local is used.
+ *
+ * Math: out[row, h] = softmax(q[row, h] . K[kv(h)]^T * scale) . V[kv(h)], fp32 accumulation,
+ * online softmax over tiles of 16 tokens, causal for prefill rows, an exact log-sum-exp
+ * merge where one row's keys were split over threads.  GQA: q head h reads kv head
+ * h / (hq / hkv); the q heads of one group (and, in prefill, up to 32 query vectors) are the
+ * rows of one small GEMM over each K/V tile, so each K/V element is loaded and converted once
+ * per group.
+ *
+ * Threads: a pool of the library's own (pthreads), sized to the affinity mask, resizable,
+ * one call at a time (a process-wide call mutex), safe across fork(): the child forgets the
+ * parent's threads and starts its own on first use.
+ */
+#ifndef SHMKV_ATTENTION_H
+#define SHMKV_ATTENTION_H
+
+#include <stdint.h>
+
+enum { SHMKV_ATT_F32 = 0, SHMKV_ATT_F16 = 1, SHMKV_ATT_BF16 = 2 };
+enum { SHMKV_ISA_SCALAR = 0, SHMKV_ISA_AVX2 = 1, SHMKV_ISA_AVX512 = 2 };
+enum { SHMKV_ATT_OK = 0, SHMKV_ATT_ECORRUPT = 1, SHMKV_ATT_ENOMEM = 2, SHMKV_ATT_EARG = 3 };
+
+typedef struct {
+    const uint8_t *kpool;           /* this layer's K pool [num_blocks][block_size][hkv][d] */
+    const uint8_t *vpool;           /* this layer's V pool, same shape */
+    int kv_dtype;                   /* SHMKV_ATT_F32 / F16 / BF16 */
+    uint32_t num_blocks, block_size, hkv, hq, d;
+    uint32_t nseq;
+    const int32_t *const *tables;   /* [nseq] each sequence's table (shared memory: checked) */
+    const uint32_t *seq_lens;       /* [nseq] tokens; 1 <= q_lens[i] <= seq_lens[i] */
+    const uint32_t *q_lens;         /* [nseq] query rows of each sequence */
+    const uint64_t *q_start;        /* [nseq] first row of each sequence in q / out */
+    const void *q;                  /* [rows][hq][d] */
+    int q_dtype;                    /* SHMKV_ATT_F32 / F16 / BF16 */
+    float *out;                     /* [rows][hq][d] float32 */
+    float scale;
+} shmkv_attn_args_t;
+
+/* The whole call.  Returns SHMKV_ATT_OK, ECORRUPT (a block id out of range; *bad_seq is the
+ * index of the sequence), ENOMEM or EARG.  Call without the GIL. */
+int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq);
+
+int shmkv_attn_set_threads(int n);     /* n >= 1; 0 = the affinity mask's count */
+int shmkv_attn_get_threads(void);
+int shmkv_attn_cpu_isa(void);          /* the best path this CPU runs */
+int shmkv_attn_isa(void);              /* the path in use */
+int shmkv_attn_force_isa(int isa);     /* -1 = back to the best; returns 0, or -1 if unsupported */
+
+/* The read floor: every byte of buf read once by `threads` threads (0 = the pool's).
+ * Returns seconds; *sink receives a checksum so the reads cannot be optimised away. */
+double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink);
+
+#endif

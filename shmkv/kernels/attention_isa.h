@@ -1,0 +1,269 @@
+/*
+ * kernels/attention_isa.h -- the inner loops of the attention kernel, one source compiled
+ * once per instruction set (numpy-style dispatch).  attention.c includes it three times,
+ * with SHMKV_ISA_SUFFIX = scalar / avx2 / avx512 and, for the vector ones, a GCC target
+ * pragma around it.  Owns nothing; reads pool rows and writes the caller's scratch.
+ *
+ * One work item = some query vectors (the q heads of one kv head, for up to 32/G rows)
+ * over keys [t0, t1) of one sequence.  Per tile of 16 keys: scores for up to 4 query
+ * vectors at once (each K row loaded and converted once for the 4), the online-softmax
+ * update, then the V rows (each loaded once for the 4) accumulated with the probabilities.
+ */
+#define SHMKV_CAT2(a, b) a##_##b
+#define SHMKV_CAT(a, b) SHMKV_CAT2(a, b)
+#define FN(name) SHMKV_CAT(name, SHMKV_ISA_SUFFIX)
+#define SHMKV_AI static inline __attribute__((always_inline))
+
+/* ---- the vector vocabulary of this pass --------------------------------------------- */
+#undef VEC
+#undef W
+#if SHMKV_ISA_PASS == 2                         /* AVX-512: 16 fp32 lanes */
+#define VEC __m512
+#define W 16
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VLOADF(p) _mm512_loadu_ps(p)
+#define VSTOREF(p, v) _mm512_storeu_ps((p), (v))
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VMUL(a, b) _mm512_mul_ps((a), (b))
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) {
+    if (dt == SHMKV_ATT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    if (dt == SHMKV_ATT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+/* exp(x - mx) for 16 scores, exactly 0 where x == -inf; returns the sum */
+SHMKV_AI float FN(vexpsub)(float *s, float mx) {
+    const __m512 x0 = _mm512_loadu_ps(s);
+    const __mmask16 live = _mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+    __m512 x = _mm512_sub_ps(x0, _mm512_set1_ps(mx));
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                         _mm512_set1_epi32(127)), 23);
+    p = _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+    _mm512_storeu_ps(s, p);
+    return _mm512_reduce_add_ps(p);
+}
+#elif SHMKV_ISA_PASS == 1                       /* AVX2 + FMA + F16C: 8 fp32 lanes */
+#define VEC __m256
+#define W 8
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VLOADF(p) _mm256_loadu_ps(p)
+#define VSTOREF(p, v) _mm256_storeu_ps((p), (v))
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VMUL(a, b) _mm256_mul_ps((a), (b))
+SHMKV_AI float FN(hsum)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#define VHSUM(v) FN(hsum)(v)
+SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) {
+    if (dt == SHMKV_ATT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (dt == SHMKV_ATT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+SHMKV_AI float FN(vexp8)(float *s, float mx) {
+    const __m256 x0 = _mm256_loadu_ps(s);
+    const __m256 live = _mm256_cmp_ps(x0, _mm256_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+    __m256 x = _mm256_sub_ps(x0, _mm256_set1_ps(mx));
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    p = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+    _mm256_storeu_ps(s, p);
+    return FN(hsum)(p);
+}
+SHMKV_AI float FN(vexpsub)(float *s, float mx) {
+    return FN(vexp8)(s, mx) + FN(vexp8)(s + 8, mx);
+}
+#else                                           /* portable scalar: 1 lane */
+#define VEC float
+#define W 1
+#define VZERO() 0.0f
+#define VSET1(x) (x)
+#define VLOADF(p) (*(p))
+#define VSTOREF(p, v) (*(p) = (v))
+#define VFMA(a, b, c) ((a) * (b) + (c))
+#define VMUL(a, b) ((a) * (b))
+#define VHSUM(v) (v)
+SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) { return shmkv_load_elem(p, dt, 0); }
+SHMKV_AI float FN(vexpsub)(float *s, float mx) {
+    float sum = 0;
+    for (int j = 0; j < TILE; j++) {
+        s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+}
+#endif
+
+/* ---- scores: s[g][j] = q[g] . k[j] for NG query vectors (q pre-scaled) ---------------- */
+SHMKV_AI void FN(scores_k)(const float *q, const uint8_t *const *krow, uint32_t nt, uint32_t d,
+                           float *s, const int dt, const int NG) {
+    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+    for (uint32_t j = 0; j < nt; j++) {
+        VEC a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+        const uint8_t *kr = krow[j];
+        for (uint32_t c = 0; c < d; c += W) {
+            const VEC k = FN(vld)(kr + c * esz, dt);
+            a0 = VFMA(k, VLOADF(q + c), a0);
+            if (NG > 1) a1 = VFMA(k, VLOADF(q + d + c), a1);
+            if (NG > 2) a2 = VFMA(k, VLOADF(q + 2 * d + c), a2);
+            if (NG > 3) a3 = VFMA(k, VLOADF(q + 3 * d + c), a3);
+        }
+        s[j] = VHSUM(a0);
+        if (NG > 1) s[TILE + j] = VHSUM(a1);
+        if (NG > 2) s[2 * TILE + j] = VHSUM(a2);
+        if (NG > 3) s[3 * TILE + j] = VHSUM(a3);
+    }
+}
+
+/* ---- acc[g] = acc[g] * alpha[g] + sum_j p[g][j] v[j] ---------------------------------- */
+SHMKV_AI void FN(vacc_k)(float *acc, const float *alpha, const float *p,
+                         const uint8_t *const *vrow, uint32_t nt, uint32_t d, const int dt,
+                         const int NG) {
+    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+    for (uint32_t c = 0; c < d; c += W) {
+        VEC o0 = VMUL(VLOADF(acc + c), VSET1(alpha[0]));
+        VEC o1 = NG > 1 ? VMUL(VLOADF(acc + d + c), VSET1(alpha[1])) : VZERO();
+        VEC o2 = NG > 2 ? VMUL(VLOADF(acc + 2 * d + c), VSET1(alpha[2])) : VZERO();
+        VEC o3 = NG > 3 ? VMUL(VLOADF(acc + 3 * d + c), VSET1(alpha[3])) : VZERO();
+        for (uint32_t j = 0; j < nt; j++) {
+            const VEC v = FN(vld)(vrow[j] + c * esz, dt);
+            o0 = VFMA(VSET1(p[j]), v, o0);
+            if (NG > 1) o1 = VFMA(VSET1(p[TILE + j]), v, o1);
+            if (NG > 2) o2 = VFMA(VSET1(p[2 * TILE + j]), v, o2);
+            if (NG > 3) o3 = VFMA(VSET1(p[3 * TILE + j]), v, o3);
+        }
+        VSTOREF(acc + c, o0);
+        if (NG > 1) VSTOREF(acc + d + c, o1);
+        if (NG > 2) VSTOREF(acc + 2 * d + c, o2);
+        if (NG > 3) VSTOREF(acc + 3 * d + c, o3);
+    }
+}
+
+#define SHMKV_NG_SWITCH(call, dtv)                                                     \
+    switch (ng) {                                                                      \
+    case 1: call(dtv, 1); break;                                                       \
+    case 2: call(dtv, 2); break;                                                       \
+    case 3: call(dtv, 3); break;                                                       \
+    default: call(dtv, 4); break;                                                      \
+    }
+#define SHMKV_DT_SWITCH(call)                                                          \
+    switch (dt) {                                                                      \
+    case SHMKV_ATT_F16: SHMKV_NG_SWITCH(call, SHMKV_ATT_F16) break;                    \
+    case SHMKV_ATT_BF16: SHMKV_NG_SWITCH(call, SHMKV_ATT_BF16) break;                  \
+    default: SHMKV_NG_SWITCH(call, SHMKV_ATT_F32) break;                               \
+    }
+
+static void FN(scores)(const float *q, uint32_t ng, const uint8_t *const *krow, uint32_t nt,
+                       uint32_t d, int dt, float *s) {
+#define SHMKV_SC(DT, NG) FN(scores_k)(q, krow, nt, d, s, DT, NG)
+    SHMKV_DT_SWITCH(SHMKV_SC)
+#undef SHMKV_SC
+}
+
+static void FN(vacc)(float *acc, uint32_t ng, const float *alpha, const float *p,
+                     const uint8_t *const *vrow, uint32_t nt, uint32_t d, int dt) {
+#define SHMKV_VA(DT, NG) FN(vacc_k)(acc, alpha, p, vrow, nt, d, DT, NG)
+    SHMKV_DT_SWITCH(SHMKV_VA)
+#undef SHMKV_VA
+}
+
+/* ---- one work item -------------------------------------------------------------------- */
+/* acc [nqv][d] is followed by m [nqv] and l [nqv].  Returns 0, or -1 on a corrupt block id. */
+static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf,
+                              float *acc, uint32_t nqv) {
+    const uint32_t d = a->d, G = a->hq / a->hkv, bs = a->block_size;
+    const int dt = a->kv_dtype;
+    float *m = acc + (size_t)nqv * d, *l = m + nqv;
+    const uint32_t L = a->seq_lens[it->seq], ql = a->q_lens[it->seq];
+    const int32_t *table = a->tables[it->seq];
+    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+    const size_t tok = (size_t)a->hkv * d * esz, head = (size_t)it->head * d * esz;
+    const uint8_t *krow[TILE], *vrow[TILE];
+    float s[4 * TILE], alpha[4];
+    memset(acc, 0, (size_t)nqv * d * sizeof(float));
+    for (uint32_t v = 0; v < nqv; v++) { m[v] = -INFINITY; l[v] = 0; }
+    for (uint32_t ts = it->t0; ts < it->t1; ts += TILE) {
+        const uint32_t nt = it->t1 - ts < TILE ? it->t1 - ts : TILE;
+        uint32_t cur = UINT32_MAX, blk = 0;
+        for (uint32_t j = 0; j < nt; j++) {
+            const uint32_t t = ts + j, bi = t / bs;
+            if (bi != cur) {
+                if (shmkv_att_block(a, table, bi, &blk)) return -1;
+                cur = bi;
+            }
+            const size_t off = ((size_t)blk * bs + t % bs) * tok + head;
+            krow[j] = a->kpool + off;
+            vrow[j] = a->vpool + off;
+        }
+        for (uint32_t v0 = 0; v0 < nqv; v0 += 4) {
+            const uint32_t ng = nqv - v0 < 4 ? nqv - v0 : 4;
+            /* the rows of this group: a tile wholly past every row's last key is skipped */
+            if (L - ql + it->row0 + (v0 + ng - 1) / G + 1 <= ts) continue;
+            FN(scores)(qf + (size_t)v0 * d, ng, krow, nt, d, dt, s);
+            int any = 0;
+            for (uint32_t g = 0; g < ng; g++) {
+                const uint32_t v = v0 + g, lim = L - ql + it->row0 + v / G + 1;
+                float *sg = s + g * TILE, mt = -INFINITY;
+                for (uint32_t j = 0; j < TILE; j++) {
+                    if (j >= nt || ts + j >= lim) sg[j] = -INFINITY;
+                    else if (sg[j] > mt) mt = sg[j];
+                }
+                if (mt == -INFINITY) {                     /* nothing visible (or NaN) */
+                    alpha[g] = 1.0f;
+                    for (uint32_t j = 0; j < TILE; j++) sg[j] = 0.0f;
+                    continue;
+                }
+                const float mn = m[v] > mt ? m[v] : mt;
+                alpha[g] = m[v] == -INFINITY ? 0.0f : expf(m[v] - mn);
+                l[v] = l[v] * alpha[g] + FN(vexpsub)(sg, mn);
+                m[v] = mn;
+                any = 1;
+            }
+            if (any) FN(vacc)(acc + (size_t)v0 * d, ng, alpha, s, vrow, nt, d, dt);
+        }
+    }
+    return 0;
+}
+
+#undef FN
+#undef SHMKV_NG_SWITCH
+#undef SHMKV_DT_SWITCH
+#undef VZERO
+#undef VSET1
+#undef VLOADF
+#undef VSTOREF
+#undef VFMA
+#undef VMUL
+#undef VHSUM
