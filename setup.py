@@ -1,9 +1,10 @@
 """Build of the shmkv extension.
 
 One extension, ``shmkv._core``: the Cython class over the mapped segment, with the C
-kernels of ``_kernels.h`` compiled into it.  ``SHMKV_DEBUG=1`` builds the debug variant:
+kernels of ``kernels/*.h`` compiled into it.  ``SHMKV_DEBUG=1`` builds the debug variant:
 C asserts and the ``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
 """
+import glob
 import os
 
 import numpy
@@ -35,7 +36,8 @@ ext = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=cflags,
     libraries=["rt", "pthread"],
-    depends=["shmkv/_layout.h", "shmkv/_kernels.h", "shmkv/_layout.pxd", "shmkv/_core.pxd"],
+    depends=(["shmkv/_layout.h", "shmkv/_layout.pxd", "shmkv/_core.pxd"]
+             + sorted(glob.glob("shmkv/kernels/*.h"))),
 )
 
 setup(ext_modules=cythonize([ext], compiler_directives=directives,

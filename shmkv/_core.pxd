@@ -1,8 +1,8 @@
-# Kernel signatures (_kernels.h).  Every kernel returns a status code; none raises.
+# Kernel signatures (kernels/kernels.h).  Every kernel returns a status code; none raises.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
 from shmkv._layout cimport *
 
-cdef extern from "_kernels.h" nogil:
+cdef extern from "kernels/kernels.h" nogil:
     ctypedef struct shmkv_ctx_t:
         uint8_t *base
         uint64_t size

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """shmkv._core: the mapped segment, its locks, and the Python-facing kernels.
 
-The C kernels (_kernels.h) do every critical section; this module checks arguments,
+The C kernels (kernels/kernels.h) do every critical section; this module checks arguments,
 takes locks (trying first with the GIL, blocking only without it), releases the GIL
 around every byte copy, and translates status codes into the exceptions of
 shared/API.md.  KVCache (cache.py) subclasses Segment and adds the constructors.
