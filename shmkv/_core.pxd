@@ -75,6 +75,12 @@ cdef extern from "kernels/kernels.h" nogil:
     int shmkv_block_ok(const shmkv_ctx_t *c, int64_t b)
     int32_t *shmkv_table(const shmkv_ctx_t *c, uint32_t slot)
     uint32_t shmkv_blocks_for(const shmkv_ctx_t *c, uint64_t tokens)
+    int shmkv_batch_sizes_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
+                                 uint32_t *slots, int32_t *lens, uint32_t *w_out,
+                                 int64_t *bad)
+    int shmkv_batch_copy_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
+                                const uint32_t *slots, const int32_t *lens, uint32_t w,
+                                int32_t *out, int64_t *bad)
     int shmkv_blocks_alloc_locked(shmkv_ctx_t *c, uint32_t n, uint32_t *out)
     void shmkv_block_decref_locked(shmkv_ctx_t *c, uint32_t b)
     int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out)

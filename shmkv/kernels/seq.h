@@ -244,4 +244,50 @@ static void shmkv_inflight_release_locked(shmkv_ctx_t *c, uint32_t target) {
         }
 }
 
+/* ---- batch block tables: the locked part of Segment.batch_block_tables ---------------- */
+
+/* Pass 1: slot and length of every sid, and W, the longest table.  On failure *bad is
+ * the sid at fault (ENOSEQ: not live; ECORRUPT: a length the table cannot hold). */
+static int shmkv_batch_sizes_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
+                                    uint32_t *slots, int32_t *lens, uint32_t *w_out,
+                                    int64_t *bad) {
+    uint32_t w = 0, sl;
+    for (size_t i = 0; i < n; i++) {
+        if (shmkv_sid_slot(c, sids[i], &sl) != SHMKV_OK) { *bad = sids[i]; return SHMKV_ENOSEQ; }
+        uint32_t len = shmkv_atomic_load_u32_acquire(&c->seqs[sl].len);
+        uint32_t nb = shmkv_blocks_for(c, len);
+        if (len > INT32_MAX || nb > c->seqs[sl].nblocks || nb > c->cfg.max_blocks_per_seq) {
+            *bad = sids[i];
+            return SHMKV_ECORRUPT;
+        }
+        slots[i] = sl;
+        lens[i] = (int32_t)len;
+        if (nb > w) w = nb;
+    }
+    *w_out = w;
+    return SHMKV_OK;
+}
+
+/* Pass 2: copy each table into out[n][w], padded with -1, and check every block id.  A
+ * free on its owner's fast path takes no pool lock: an id still live after the copy was
+ * live, its blocks unreused, while we copied, so the ids are checked again last. */
+static int shmkv_batch_copy_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
+                                   const uint32_t *slots, const int32_t *lens, uint32_t w,
+                                   int32_t *out, int64_t *bad) {
+    uint32_t sl, nblocks = c->cfg.num_blocks;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t nb = shmkv_blocks_for(c, (uint32_t)lens[i]);
+        const int32_t *src = shmkv_table(c, slots[i]);
+        int32_t *dst = out + i * (size_t)w;
+        uint32_t bad_ids = 0;
+        memcpy(dst, src, (size_t)nb * sizeof(int32_t));
+        for (uint32_t j = 0; j < nb; j++) bad_ids |= (uint32_t)dst[j] >= nblocks;
+        for (uint32_t j = nb; j < w; j++) dst[j] = -1;
+        if (bad_ids) { *bad = sids[i]; return SHMKV_ECORRUPT; }
+    }
+    for (size_t i = 0; i < n; i++)
+        if (shmkv_sid_slot(c, sids[i], &sl) != SHMKV_OK) { *bad = sids[i]; return SHMKV_ENOSEQ; }
+    return SHMKV_OK;
+}
+
 #endif /* SHMKV_KERNELS_SEQ_H */
