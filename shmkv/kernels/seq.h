@@ -268,6 +268,32 @@ static int shmkv_batch_sizes_locked(const shmkv_ctx_t *c, const int64_t *sids, s
     return SHMKV_OK;
 }
 
+/* Copies n block ids from a table in the segment; nonzero if any copied id is not below
+ * `limit` (the check is on the values stored, so a concurrent writer cannot slip one by). */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+static inline int shmkv__copy_ids(int32_t *dst, const int32_t *src, uint32_t n, uint32_t limit) {
+    uint32_t j = 0, bad = 0;
+#if defined(__SSE2__)
+    const __m128i flip = _mm_set1_epi32(INT32_MIN);       /* unsigned compare via signed */
+    const __m128i lim = _mm_set1_epi32((int32_t)(limit ^ 0x80000000u));
+    __m128i ok = _mm_set1_epi32(-1);
+    for (; j + 4 <= n; j += 4) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(src + j));
+        _mm_storeu_si128((__m128i *)(dst + j), v);
+        ok = _mm_and_si128(ok, _mm_cmpgt_epi32(lim, _mm_xor_si128(v, flip)));
+    }
+    bad = _mm_movemask_epi8(ok) != 0xFFFF;
+#endif
+    for (; j < n; j++) {
+        uint32_t v = (uint32_t)src[j];
+        dst[j] = (int32_t)v;
+        bad |= v >= limit;
+    }
+    return bad != 0;
+}
+
 /* Pass 2: copy each table into out[n][w], padded with -1, and check every block id.  A
  * free on its owner's fast path takes no pool lock: an id still live after the copy was
  * live, its blocks unreused, while we copied, so the ids are checked again last. */
@@ -277,11 +303,8 @@ static int shmkv_batch_copy_locked(const shmkv_ctx_t *c, const int64_t *sids, si
     uint32_t sl, nblocks = c->cfg.num_blocks;
     for (size_t i = 0; i < n; i++) {
         uint32_t nb = shmkv_blocks_for(c, (uint32_t)lens[i]);
-        const int32_t *src = shmkv_table(c, slots[i]);
         int32_t *dst = out + i * (size_t)w;
-        uint32_t bad_ids = 0;
-        memcpy(dst, src, (size_t)nb * sizeof(int32_t));
-        for (uint32_t j = 0; j < nb; j++) bad_ids |= (uint32_t)dst[j] >= nblocks;
+        int bad_ids = shmkv__copy_ids(dst, shmkv_table(c, slots[i]), nb, nblocks);
         for (uint32_t j = nb; j < w; j++) dst[j] = -1;
         if (bad_ids) { *bad = sids[i]; return SHMKV_ECORRUPT; }
     }
