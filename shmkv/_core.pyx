@@ -218,6 +218,19 @@ cdef object _cfg_object(const shmkv_config_t *c):
         max_procs=c.max_procs, hash=_HASH_NAMES[c.hash_algo])
 
 
+def _open_existing(name, read_only):
+    """A private fd of an existing segment; FileNotFoundError or PermissionError."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=read_only)
+    except posix_ipc.ExistentialError:
+        raise FileNotFoundError(f"segment {name!r} does not exist") from None
+    except posix_ipc.PermissionsError as e:
+        raise PermissionError(f"segment {name!r}: {e}") from None
+    fd = os.dup(shm.fd)
+    shm.close_fd()
+    return fd
+
+
 cdef dict _layout_dict(const shmkv_layout_t *l):
     return dict(token_bytes=l.token_bytes, block_bytes=l.block_bytes,
                 layer_stride=l.layer_stride, index_capacity=l.index_capacity,
@@ -433,14 +446,7 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
                 pass
             raise
     else:
-        try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError:
-            raise FileNotFoundError(f"segment {name!r} does not exist") from None
-        except posix_ipc.PermissionsError as e:
-            raise PermissionError(f"segment {name!r}: {e}") from None
-        fd = os.dup(shm.fd)
-        shm.close_fd()
+        fd = _open_existing(name, False)
         m = None
     try:
         stt = os.fstat(fd)
@@ -1858,14 +1864,7 @@ def snapshot(name, *, bint tables=True):
     Raises FileNotFoundError, PermissionError or SegmentError.
     """
     name = _norm_name(name)
-    try:
-        shm = posix_ipc.SharedMemory(name, read_only=True)
-    except posix_ipc.ExistentialError:
-        raise FileNotFoundError(f"segment {name!r} does not exist") from None
-    except posix_ipc.PermissionsError as e:
-        raise PermissionError(f"segment {name!r}: {e}") from None
-    fd = os.dup(shm.fd)
-    shm.close_fd()
+    fd = _open_existing(name, True)
     try:
         size = os.fstat(fd).st_size
         if size < SHMKV_PAGE:
