@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
-SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.h shmkv/*/*.py shmkv/kernels/*) setup.py pyproject.toml
+SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.h shmkv/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
 .PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean
@@ -52,7 +52,8 @@ fuzz: install
 lint: $(DEPS)
 	$(PIP) install -q ruff
 	$(VENV)/bin/ruff check shmkv tests benchmarks tools
-	$(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I shmkv -o /tmp/shmkv-lint.c shmkv/_core.pyx 2>&1 | tee /tmp/shmkv-lint.log
+	: > /tmp/shmkv-lint.log
+	for f in shmkv/*.pyx; do $(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I shmkv -o /tmp/shmkv-lint.c $$f 2>&1 | tee -a /tmp/shmkv-lint.log; done
 	! grep -qiE 'warning|performance hint' /tmp/shmkv-lint.log
 
 # The whole suite against a debug build: C asserts, SHMKV_DEBUG blocks, bounds checks.

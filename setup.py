@@ -1,11 +1,12 @@
 """Build of the shmkv extension.
 
 Two extensions: ``shmkv._core``, the Cython class over the mapped segment with the C
-kernels of ``_kernels.h`` compiled into it, and ``shmkv._attention``, the paged-attention
+kernels of ``kernels/*.h`` compiled into it, and ``shmkv._attention``, the paged-attention
 kernel (``kernels/attention.c``) with its wrapper, which reaches the segment through the C
 API that ``_core.pxd`` declares.  ``SHMKV_DEBUG=1`` builds the debug variant:
 C asserts and the ``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
 """
+import glob
 import os
 
 import numpy
@@ -37,7 +38,8 @@ core = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=cflags,
     libraries=["rt", "pthread"],
-    depends=["shmkv/_layout.h", "shmkv/_kernels.h", "shmkv/_layout.pxd", "shmkv/_core.pxd"],
+    depends=(["shmkv/_layout.h", "shmkv/_layout.pxd", "shmkv/_core.pxd"]
+             + sorted(h for h in glob.glob("shmkv/kernels/*.h") if "attention" not in h)),
 )
 
 # paged attention: its own module and C file; it reaches the segment through _core's C API

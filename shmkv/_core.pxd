@@ -1,8 +1,8 @@
-# Kernel signatures (_kernels.h).  Every kernel returns a status code; none raises.
+# Kernel signatures (kernels/kernels.h).  Every kernel returns a status code; none raises.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
 from shmkv._layout cimport *
 
-cdef extern from "_kernels.h" nogil:
+cdef extern from "kernels/kernels.h" nogil:
     ctypedef struct shmkv_ctx_t:
         uint8_t *base
         uint64_t size
@@ -75,6 +75,12 @@ cdef extern from "_kernels.h" nogil:
     int shmkv_block_ok(const shmkv_ctx_t *c, int64_t b)
     int32_t *shmkv_table(const shmkv_ctx_t *c, uint32_t slot)
     uint32_t shmkv_blocks_for(const shmkv_ctx_t *c, uint64_t tokens)
+    int shmkv_batch_sizes_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
+                                 uint32_t *slots, int32_t *lens, uint32_t *w_out,
+                                 int64_t *bad)
+    int shmkv_batch_copy_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
+                                const uint32_t *slots, const int32_t *lens, uint32_t w,
+                                int32_t *out, int64_t *bad)
     int shmkv_blocks_alloc_locked(shmkv_ctx_t *c, uint32_t n, uint32_t *out)
     void shmkv_block_decref_locked(shmkv_ctx_t *c, uint32_t b)
     int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out)

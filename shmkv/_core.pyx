@@ -1,7 +1,7 @@
 # cython: language_level=3
 """shmkv._core: the mapped segment, its locks, and the Python-facing kernels.
 
-The C kernels (_kernels.h) do every critical section; this module checks arguments,
+The C kernels (kernels/kernels.h) do every critical section; this module checks arguments,
 takes locks (trying first with the GIL, blocking only without it), releases the GIL
 around every byte copy, and translates status codes into the exceptions of
 shared/API.md.  KVCache (cache.py) subclasses Segment and adds the constructors.
@@ -216,6 +216,19 @@ cdef object _cfg_object(const shmkv_config_t *c):
         num_blocks=c.num_blocks, block_size=c.block_size, dtype=_DTYPE_NAMES[c.dtype],
         max_seqs=c.max_seqs, max_seq_len=c.max_blocks_per_seq * c.block_size,
         max_procs=c.max_procs, hash=_HASH_NAMES[c.hash_algo])
+
+
+def _open_existing(name, read_only):
+    """A private fd of an existing segment; FileNotFoundError or PermissionError."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=read_only)
+    except posix_ipc.ExistentialError:
+        raise FileNotFoundError(f"segment {name!r} does not exist") from None
+    except posix_ipc.PermissionsError as e:
+        raise PermissionError(f"segment {name!r}: {e}") from None
+    fd = os.dup(shm.fd)
+    shm.close_fd()
+    return fd
 
 
 cdef dict _layout_dict(const shmkv_layout_t *l):
@@ -433,14 +446,7 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
                 pass
             raise
     else:
-        try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError:
-            raise FileNotFoundError(f"segment {name!r} does not exist") from None
-        except posix_ipc.PermissionsError as e:
-            raise PermissionError(f"segment {name!r}: {e}") from None
-        fd = os.dup(shm.fd)
-        shm.close_fd()
+        fd = _open_existing(name, False)
         m = None
     try:
         stt = os.fstat(fd)
@@ -1338,7 +1344,12 @@ cdef class Segment:
         """
         cdef shmkv_ctx_t *c = self._c()
         cdef cnp.ndarray sa
-        if isinstance(sids, np.ndarray):
+        if (cnp.PyArray_CheckExact(sids) and cnp.PyArray_TYPE(<cnp.ndarray>sids) == cnp.NPY_INT64
+                and cnp.PyArray_NDIM(<cnp.ndarray>sids) == 1
+                and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>sids)
+                and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>sids)):
+            sa = <cnp.ndarray>sids                  # fast path: a native int64 vector
+        elif isinstance(sids, np.ndarray):
             if sids.ndim != 1:
                 raise ValueError(f"sids: expected a 1-d array, got shape {sids.shape}")
             if sids.dtype.kind not in "iu" or sids.dtype.itemsize > 8:
@@ -1354,62 +1365,37 @@ cdef class Segment:
                 raise ValueError(f"sids: expected a 1-d sequence of ids, got shape "
                                  f"{np.shape(items)}")
             sa = np.array([_as_sid(x) for x in items], dtype=np.int64)
-        cdef Py_ssize_t B = sa.shape[0], i, j
+        cdef size_t B = <size_t>sa.shape[0]
         cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(sa)
         cdef cnp.npy_intp dims[2]
-        dims[0] = B
+        dims[0] = <cnp.npy_intp>B
         cdef cnp.ndarray lens = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT32, 0)
-        cdef int32_t *lp = <int32_t *>cnp.PyArray_DATA(lens)
-        cdef uint32_t *slots = <uint32_t *>malloc(sizeof(uint32_t) * (B + 1))
-        cdef uint32_t W = 0, nb, sl
+        cdef uint32_t slots_small[512]
+        cdef uint32_t *slots = slots_small
+        cdef uint32_t W = 0
         cdef int st = SHMKV_OK
         cdef int64_t bad = 0
-        cdef cnp.ndarray tables
-        cdef int32_t *tp
-        cdef const int32_t *src
-        if slots == NULL:
-            raise MemoryError()
+        cdef cnp.ndarray tables = None
+        if B > 512:
+            slots = <uint32_t *>malloc(sizeof(uint32_t) * B)
+            if slots == NULL:
+                raise MemoryError()
         try:
             _pool_lock(c)
             try:
-                for i in range(B):
-                    st = shmkv_sid_slot(c, sp[i], &sl)
-                    if st != SHMKV_OK:
-                        bad = sp[i]
-                        break
-                    slots[i] = sl
-                    lp[i] = <int32_t>shmkv_atomic_load_u32_acquire(&c.seqs[sl].len)
-                    nb = shmkv_blocks_for(c, <uint32_t>lp[i])
-                    if nb > c.seqs[sl].nblocks or nb > c.cfg.max_blocks_per_seq:
-                        st = SHMKV_ECORRUPT
-                        bad = sp[i]
-                        break
-                    if nb > W:
-                        W = nb
+                st = shmkv_batch_sizes_locked(c, sp, B, slots,
+                                              <int32_t *>cnp.PyArray_DATA(lens), &W, &bad)
                 if st == SHMKV_OK:
                     dims[1] = W
                     tables = cnp.PyArray_EMPTY(2, dims, cnp.NPY_INT32, 0)
-                    tp = <int32_t *>cnp.PyArray_DATA(tables)
-                    for i in range(B):
-                        nb = shmkv_blocks_for(c, <uint32_t>lp[i])
-                        src = shmkv_table(c, slots[i])
-                        for j in range(nb):
-                            if not shmkv_block_ok(c, src[j]):
-                                st = SHMKV_ECORRUPT
-                            tp[i * W + j] = src[j]
-                        for j in range(nb, W):
-                            tp[i * W + j] = -1
-                    # a free on its owner's fast path takes no pool lock: an id still
-                    # live now was live, its blocks unreused, while we copied
-                    for i in range(B):
-                        if shmkv_sid_slot(c, sp[i], &sl) != SHMKV_OK:
-                            st = SHMKV_ENOSEQ
-                            bad = sp[i]
-                            break
+                    st = shmkv_batch_copy_locked(c, sp, B, slots,
+                                                 <const int32_t *>cnp.PyArray_DATA(lens), W,
+                                                 <int32_t *>cnp.PyArray_DATA(tables), &bad)
             finally:
                 shmkv_pool_unlock(c)
         finally:
-            free(slots)
+            if slots != slots_small:
+                free(slots)
         if st == SHMKV_ENOSEQ:
             raise SequenceNotFound(f"sequence {bad}: unknown or freed sequence")
         if st != SHMKV_OK:
@@ -1878,14 +1864,7 @@ def snapshot(name, *, bint tables=True):
     Raises FileNotFoundError, PermissionError or SegmentError.
     """
     name = _norm_name(name)
-    try:
-        shm = posix_ipc.SharedMemory(name, read_only=True)
-    except posix_ipc.ExistentialError:
-        raise FileNotFoundError(f"segment {name!r} does not exist") from None
-    except posix_ipc.PermissionsError as e:
-        raise PermissionError(f"segment {name!r}: {e}") from None
-    fd = os.dup(shm.fd)
-    shm.close_fd()
+    fd = _open_existing(name, True)
     try:
         size = os.fstat(fd).st_size
         if size < SHMKV_PAGE:

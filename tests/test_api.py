@@ -723,6 +723,62 @@ def test_batch_block_tables(cache):
     assert_same(t6, tables)
 
 
+def test_batch_block_tables_array_kinds_and_large_batches(make_cache):
+    """The int64 fast path, every array that must take the checked path, and a batch
+    larger than the on-stack slot buffer (512)."""
+    cache = make_cache(max_seqs=600, num_blocks=2000)
+    bs = cache.config.block_size
+    sids = []
+    for i in range(520):
+        s = cache.create_sequence()
+        cache.reserve(s, 1 + i % (3 * bs))
+        sids.append(s)
+    ref_t, ref_l = cache.batch_block_tables(sids)            # list: the checked path
+    assert ref_t.shape == (520, 3) and ref_l.tolist() == [1 + i % (3 * bs) for i in range(520)]
+    for i, s in enumerate(sids[:20]):
+        nb = -(-ref_l[i] // bs)
+        assert ref_t[i, :nb].tolist() == cache.block_table(s).tolist()
+    a = np.array(sids, np.int64)
+    for arr in (a, a.astype(">i8"), np.repeat(a, 2)[::2], a.astype(np.uint64), a.astype("<i8")):
+        t, lens = cache.batch_block_tables(arr)
+        assert_same(t, ref_t)
+        assert_same(lens, ref_l)
+    # a freed id anywhere in a large batch: SequenceNotFound naming it, nothing changed
+    cache.free(sids[515])
+    free_before = cache.stats()["free_blocks"]
+    with pytest.raises(shmkv.SequenceNotFound, match=str(sids[515])):
+        cache.batch_block_tables(a)
+    assert cache.stats()["free_blocks"] == free_before
+    assert cache.batch_block_tables(np.delete(a, 515))[1].tolist() == np.delete(ref_l, 515).tolist()
+
+
+def test_batch_block_tables_corrupt_table_entry(cache):
+    """A block id out of range in a sequence's table is reported, never copied out."""
+    cfg = cache.config
+    s = cache.create_sequence()
+    cache.reserve(s, 2 * cfg.block_size)
+    lay = shmkv._core.layout_of(cfg)
+    slot = s % cfg.max_seqs
+    off = lay["off_tables"] + 4 * slot * (cfg.max_seq_len // cfg.block_size)
+    shm = posix_ipc.SharedMemory(cache.name)
+    try:
+        m = mmap.mmap(shm.fd, lay["segment_size"])
+    finally:
+        shm.close_fd()
+    try:
+        view = np.frombuffer(m, np.int32, 2, off)
+        assert view.tolist() == cache.block_table(s).tolist()   # the right place
+        good = int(view[1])
+        view[1] = cfg.num_blocks
+        with pytest.raises(shmkv.SegmentError, match="corrupt"):
+            cache.batch_block_tables([s])
+        view[1] = good
+        assert cache.batch_block_tables([s])[0][0].tolist() == cache.block_table(s).tolist()
+        del view
+    finally:
+        m.close()
+
+
 # ========================================================================================
 # observability
 # ========================================================================================
