@@ -7,6 +7,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.h) setup.py pyproject.toml
+SRC    += $(wildcard shmkv/cli/*.py)
 PYTEST_ARGS ?=
 
 .PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean
