@@ -44,7 +44,7 @@ bench-quick: install bench-deps
 	$(PY) benchmarks/run.py --quick
 
 chaos: install
-	$(PY) tools/chaos.py
+	$(PY) tools/chaos
 
 fuzz: install
 	$(PY) tools/fuzz_attach.py

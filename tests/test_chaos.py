@@ -1,4 +1,4 @@
-"""The chaos harness (tools/chaos.py), short: workers under SIGKILL and every named crash
+"""The chaos harness (tools/chaos/), short: workers under SIGKILL and every named crash
 point, zero failures; and one short run per planted bug, which the harness must catch.
 
 The full run (>= 1,000 SIGKILLs, >= 20 deaths at every crash point) is `make chaos` /
@@ -17,7 +17,7 @@ from shmkv import _core
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
-CHAOS = os.path.join(TOOLS, "chaos.py")
+CHAOS = os.path.join(TOOLS, "chaos")           # the package; python runs its __main__
 
 
 def run_chaos(tmp_path, *args, timeout=300):
