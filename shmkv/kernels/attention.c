@@ -179,6 +179,8 @@ static struct {
     int nworkers;               /* helper threads running (wanted - 1 once started) */
     pthread_t *tids;
     uint64_t gen;               /* job generation */
+    uint64_t born_gen;          /* gen when the helpers were created: their first "seen" */
+    int started;                /* helpers created for this configuration */
     int stop;
     int pending;                /* helpers still on the current job */
     shmkv_task_fn fn;
@@ -186,8 +188,8 @@ static struct {
     uint32_t nitems;
     uint32_t next;              /* next item to take (atomic) */
     shmkv_scratch_t *scratch;   /* [wanted] */
-} P = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-        PTHREAD_COND_INITIALIZER, 0, 0, NULL, 0, 0, 0, NULL, NULL, 0, 0, NULL };
+} P = { .call_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+        .work_cv = PTHREAD_COND_INITIALIZER, .done_cv = PTHREAD_COND_INITIALIZER };
 
 static pthread_once_t shmkv_att_once = PTHREAD_ONCE_INIT;
 
@@ -201,9 +203,9 @@ static void shmkv_pool_run_items(int tid) {
 
 static void *shmkv_pool_worker(void *arg) {
     const int tid = (int)(intptr_t)arg;
-    uint64_t seen = 0;
+    /* born_gen, not gen: a job posted between pthread_create and this lock is ours too */
     pthread_mutex_lock(&P.mu);
-    seen = P.gen;
+    uint64_t seen = P.born_gen;
     for (;;) {
         while (P.gen == seen && !P.stop) pthread_cond_wait(&P.work_cv, &P.mu);
         if (P.stop) break;
@@ -236,6 +238,7 @@ static void shmkv_pool_stop(void) {
     free(P.tids);
     P.tids = NULL;
     P.nworkers = 0;
+    P.started = 0;
     P.stop = 0;
 }
 
@@ -246,10 +249,12 @@ static int shmkv_pool_start(void) {
         P.scratch = calloc((size_t)P.wanted, sizeof(shmkv_scratch_t));
         if (P.scratch == NULL) return -1;
     }
-    if (P.nworkers == P.wanted - 1) return 0;
+    if (P.started) return 0;        /* fewer helpers than wanted if some failed: once */
     P.tids = calloc((size_t)P.wanted, sizeof(pthread_t));
     if (P.tids == NULL) return -1;
+    P.started = 1;
     pthread_mutex_lock(&P.mu);
+    P.born_gen = P.gen;
     for (int i = 1; i < P.wanted; i++) {
         if (pthread_create(&P.tids[P.nworkers], NULL, shmkv_pool_worker, (void *)(intptr_t)i))
             break;                              /* fewer helpers: still correct */
@@ -291,6 +296,7 @@ static void shmkv_att_child(void) {
     pthread_cond_init(&P.done_cv, NULL);
     P.tids = NULL;              /* the parent's: leaked on purpose, never joined here */
     P.nworkers = 0;
+    P.started = 0;
     P.stop = 0;
     P.pending = 0;
     pthread_mutex_init(&P.call_mu, NULL);

@@ -1,0 +1,1 @@
+"""Optional integrations (extras), imported on demand."""
