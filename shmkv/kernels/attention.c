@@ -18,7 +18,7 @@
 #endif
 
 #define TILE 16                 /* tokens per online-softmax step */
-#define QV_MAX 32               /* query vectors handled together by one work item */
+#define QV_MAX 32               /* query vectors per kv head in one work item (rows = QV_MAX / G) */
 #define MIN_CHUNK 256           /* fewest tokens a split-KV chunk gets */
 
 /* ---- portable conversions (q rows, and the scalar path) ------------------------------- */
@@ -54,7 +54,7 @@ static inline float shmkv_load_elem(const uint8_t *p, int dt, uint32_t i) {
 
 /* ---- the work: items and per-thread scratch ------------------------------------------- */
 typedef struct {
-    uint32_t seq, head;         /* sequence index, kv head */
+    uint32_t seq;               /* sequence index */
     uint32_t row0, nrows;       /* query rows [row0, row0 + nrows) of the sequence */
     uint32_t t0, t1;            /* keys [t0, t1) this item reads */
     int64_t part;               /* -1: final, written to out; else the partial's slot */
@@ -83,18 +83,27 @@ static inline int shmkv_att_block(const shmkv_attn_args_t *a, const int32_t *tab
     return 0;
 }
 
-/* Converts and pre-scales the item's query vectors: qf[(r * G + g) * d + i]. */
+/* Offset, in elements, of query/output vector (row r, kv head h, group member g) of an item,
+ * and the item-local index of that vector: v = (h * nrows + r) * G + g (grouped by kv head). */
+static inline uint64_t shmkv_att_qoff(const shmkv_attn_args_t *a, const shmkv_item_t *it,
+                                      uint32_t h, uint32_t r, uint32_t g) {
+    const uint64_t row = a->q_start[it->seq] + it->row0 + r;
+    return (row * a->hq + (uint64_t)h * (a->hq / a->hkv) + g) * a->d;
+}
+#define SHMKV_ATT_V(it, G, h, r, g) (((h) * (it)->nrows + (r)) * (G) + (g))
+
+/* Converts and pre-scales the item's query vectors into qf [nqv][d]. */
 static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf) {
     const uint32_t G = a->hq / a->hkv, d = a->d;
     const size_t esz = a->q_dtype == SHMKV_ATT_F32 ? 4 : 2;
-    for (uint32_t r = 0; r < it->nrows; r++)
-        for (uint32_t g = 0; g < G; g++) {
-            const uint64_t row = a->q_start[it->seq] + it->row0 + r;
-            const uint8_t *src = (const uint8_t *)a->q +
-                ((row * a->hq) + (uint64_t)it->head * G + g) * d * esz;
-            float *dst = qf + ((size_t)r * G + g) * d;
-            for (uint32_t i = 0; i < d; i++) dst[i] = shmkv_load_elem(src, a->q_dtype, i) * a->scale;
-        }
+    for (uint32_t h = 0; h < a->hkv; h++)
+        for (uint32_t r = 0; r < it->nrows; r++)
+            for (uint32_t g = 0; g < G; g++) {
+                const uint8_t *src = (const uint8_t *)a->q + shmkv_att_qoff(a, it, h, r, g) * esz;
+                float *dst = qf + (size_t)SHMKV_ATT_V(it, G, h, r, g) * d;
+                for (uint32_t i = 0; i < d; i++)
+                    dst[i] = shmkv_load_elem(src, a->q_dtype, i) * a->scale;
+            }
 }
 
 /* ---- the per-ISA item loop ------------------------------------------------------------ */
@@ -353,7 +362,7 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     if (j->err) return;
     const shmkv_attn_args_t *a = j->a;
     const shmkv_item_t *it = &j->items[i];
-    const uint32_t G = a->hq / a->hkv, nqv = it->nrows * G, d = a->d;
+    const uint32_t G = a->hq / a->hkv, nqv = it->nrows * a->hq, d = a->d;
     /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] */
     float *s = shmkv_scratch_get(tid, (size_t)nqv * (2 * d + 2) + 64);
     if (s == NULL) { j->err = SHMKV_ATT_ENOMEM; return; }
@@ -365,14 +374,14 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
         return;
     }
     if (it->part < 0) {                         /* final: normalise into out */
-        for (uint32_t r = 0; r < it->nrows; r++)
-            for (uint32_t g = 0; g < G; g++) {
-                const uint32_t v = r * G + g;
-                const uint64_t row = a->q_start[it->seq] + it->row0 + r;
-                float *o = a->out + ((row * a->hq) + (uint64_t)it->head * G + g) * d;
-                const float inv = l[v] > 0 ? 1.0f / l[v] : 0.0f;
-                for (uint32_t x = 0; x < d; x++) o[x] = acc[(size_t)v * d + x] * inv;
-            }
+        for (uint32_t h = 0; h < a->hkv; h++)
+            for (uint32_t r = 0; r < it->nrows; r++)
+                for (uint32_t g = 0; g < G; g++) {
+                    const uint32_t v = SHMKV_ATT_V(it, G, h, r, g);
+                    float *o = a->out + shmkv_att_qoff(a, it, h, r, g);
+                    const float inv = l[v] > 0 ? 1.0f / l[v] : 0.0f;
+                    for (uint32_t x = 0; x < d; x++) o[x] = acc[(size_t)v * d + x] * inv;
+                }
     } else {                                    /* partial: acc, m, l for the merge */
         float *p = j->parts + (size_t)it->part * j->qv_stride * (d + 2);
         for (uint32_t v = 0; v < nqv; v++) {
@@ -406,32 +415,32 @@ static void shmkv_att_merge(const shmkv_attn_args_t *a, const shmkv_item_t *item
     uint32_t i = 0;
     while (i < n) {
         if (items[i].part < 0) { i++; continue; }
-        uint32_t e = i + 1;                     /* the chunks of one (seq, head, rows) */
+        uint32_t e = i + 1;                     /* the chunks of one (seq, rows) */
         while (e < n && items[e].part >= 0 && items[e].seq == items[i].seq &&
-               items[e].head == items[i].head && items[e].row0 == items[i].row0) e++;
+               items[e].row0 == items[i].row0) e++;
         const shmkv_item_t *it = &items[i];
-        for (uint32_t r = 0; r < it->nrows; r++)
-            for (uint32_t g = 0; g < G; g++) {
-                const uint32_t v = r * G + g;
-                float M = -INFINITY;
-                for (uint32_t c = i; c < e; c++) {
-                    float mc = parts[((size_t)items[c].part * qv_stride + v) * (d + 2) + d];
-                    if (mc > M) M = mc;
+        for (uint32_t h = 0; h < a->hkv; h++)
+            for (uint32_t r = 0; r < it->nrows; r++)
+                for (uint32_t g = 0; g < G; g++) {
+                    const uint32_t v = SHMKV_ATT_V(it, G, h, r, g);
+                    float M = -INFINITY;
+                    for (uint32_t c = i; c < e; c++) {
+                        float mc = parts[((size_t)items[c].part * qv_stride + v) * (d + 2) + d];
+                        if (mc > M) M = mc;
+                    }
+                    float *o = a->out + shmkv_att_qoff(a, it, h, r, g);
+                    float L = 0;
+                    for (uint32_t x = 0; x < d; x++) o[x] = 0;
+                    for (uint32_t c = i; c < e; c++) {
+                        const float *p = parts + ((size_t)items[c].part * qv_stride + v) * (d + 2);
+                        if (p[d + 1] <= 0 || p[d] == -INFINITY) continue;
+                        const float w = expf(p[d] - M);
+                        L += p[d + 1] * w;
+                        for (uint32_t x = 0; x < d; x++) o[x] += p[x] * w;
+                    }
+                    const float inv = L > 0 ? 1.0f / L : 0.0f;
+                    for (uint32_t x = 0; x < d; x++) o[x] *= inv;
                 }
-                const uint64_t row = a->q_start[it->seq] + it->row0 + r;
-                float *o = a->out + ((row * a->hq) + (uint64_t)it->head * G + g) * d;
-                float L = 0;
-                for (uint32_t x = 0; x < d; x++) o[x] = 0;
-                for (uint32_t c = i; c < e; c++) {
-                    const float *p = parts + ((size_t)items[c].part * qv_stride + v) * (d + 2);
-                    if (p[d + 1] <= 0 || p[d] == -INFINITY) continue;
-                    const float w = expf(p[d] - M);
-                    L += p[d + 1] * w;
-                    for (uint32_t x = 0; x < d; x++) o[x] += p[x] * w;
-                }
-                const float inv = L > 0 ? 1.0f / L : 0.0f;
-                for (uint32_t x = 0; x < d; x++) o[x] *= inv;
-            }
         i = e;
     }
 }
@@ -447,9 +456,9 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     const int threads = P.nworkers + 1;
     shmkv_att_fn = shmkv_att_pick(a->d);
 
-    /* the base items: (seq, head, row tile); the work is the keys each reads */
+    /* the base items: (seq, row tile), every head; the work is the keys each reads */
     uint64_t nbase = 0, work = 0;
-    for (uint32_t s = 0; s < a->nseq; s++) nbase += (uint64_t)a->hkv * ((a->q_lens[s] + rt - 1) / rt);
+    for (uint32_t s = 0; s < a->nseq; s++) nbase += (a->q_lens[s] + rt - 1) / rt;
     for (uint32_t s = 0; s < a->nseq; s++) work += (uint64_t)a->seq_lens[s] * a->q_lens[s];
     work *= a->hkv;
     /* split the keys of a row tile into chunks when there are too few items to keep every
@@ -469,36 +478,35 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
         uint64_t k = 0, part = 0;
         for (uint32_t s = 0; s < a->nseq; s++) {
             const uint32_t L = a->seq_lens[s], ql = a->q_lens[s];
-            for (uint32_t h = 0; h < a->hkv; h++)
-                for (uint32_t r0 = 0; r0 < ql; r0 += rt) {
-                    const uint32_t nr = ql - r0 < rt ? ql - r0 : rt;
-                    const uint32_t end = L - ql + r0 + nr;     /* keys the last row sees */
-                    const uint64_t nch = chunk == UINT64_MAX ? 1 : (end + chunk - 1) / chunk;
-                    for (uint64_t c = 0; c < nch; c++) {
-                        if (pass) {
-                            shmkv_item_t *it = &shmkv_items_buf[k];
-                            it->seq = s; it->head = h; it->row0 = r0; it->nrows = nr;
-                            it->t0 = (uint32_t)(c * (nch > 1 ? chunk : 0));
-                            it->t1 = nch > 1 && (c + 1) * chunk < end ? (uint32_t)((c + 1) * chunk) : end;
-                            it->part = nch > 1 ? (int64_t)part++ : -1;
-                        } else if (nch > 1) part++;
-                        k++;
-                    }
+            for (uint32_t r0 = 0; r0 < ql; r0 += rt) {
+                const uint32_t nr = ql - r0 < rt ? ql - r0 : rt;
+                const uint32_t end = L - ql + r0 + nr;         /* keys the last row sees */
+                const uint64_t nch = chunk == UINT64_MAX ? 1 : (end + chunk - 1) / chunk;
+                for (uint64_t c = 0; c < nch; c++) {
+                    if (pass) {
+                        shmkv_item_t *it = &shmkv_items_buf[k];
+                        it->seq = s; it->row0 = r0; it->nrows = nr;
+                        it->t0 = (uint32_t)(c * (nch > 1 ? chunk : 0));
+                        it->t1 = nch > 1 && (c + 1) * chunk < end ? (uint32_t)((c + 1) * chunk) : end;
+                        it->part = nch > 1 ? (int64_t)part++ : -1;
+                    } else if (nch > 1) part++;
+                    k++;
                 }
+            }
         }
         if (!pass) {
             nitems = k;
             if (nitems > UINT32_MAX ||
                 shmkv_grow((void **)&shmkv_items_buf, &shmkv_items_cap, nitems, sizeof(shmkv_item_t)) ||
                 shmkv_grow((void **)&shmkv_parts_buf, &shmkv_parts_cap,
-                           part * (uint64_t)rt * G * (a->d + 2) + 1, sizeof(float))) {
+                           part * (uint64_t)rt * a->hq * (a->d + 2) + 1, sizeof(float))) {
                 st = SHMKV_ATT_ENOMEM;
                 goto out;
             }
         }
     }
     (void)work;
-    shmkv_job_t job = { a, shmkv_items_buf, shmkv_parts_buf, rt * G, 0, -1 };
+    shmkv_job_t job = { a, shmkv_items_buf, shmkv_parts_buf, rt * a->hq, 0, -1 };
     /* small calls (a decode step of a few short sequences) stay on the caller's thread: a
      * wake-up costs more than it saves */
     const int use = nitems >= 2 && work >= 8192 ? threads : 1;
@@ -509,7 +517,7 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
         goto out;
     }
     if (chunk != UINT64_MAX)
-        shmkv_att_merge(a, shmkv_items_buf, (uint32_t)nitems, shmkv_parts_buf, rt * G);
+        shmkv_att_merge(a, shmkv_items_buf, (uint32_t)nitems, shmkv_parts_buf, rt * a->hq);
 out:
     pthread_mutex_unlock(&P.call_mu);
     return st;

@@ -4,8 +4,8 @@
  * with SHMKV_ISA_SUFFIX = scalar / avx2 / avx512 and, for the vector ones, a GCC target
  * pragma around it.  Owns nothing; reads pool rows and writes the caller's scratch.
  *
- * One work item = some query vectors (the q heads of one kv head, for up to 32/G rows)
- * over keys [t0, t1) of one sequence.  Per tile of 16 keys: scores for up to 4 query
+ * One work item = the query vectors of some rows of one sequence (every q head) over keys
+ * [t0, t1) of that sequence.  Per tile of 16 keys: scores for up to 4 query
  * vectors at once (each K row loaded and converted once for the 4), the online-softmax
  * update, then the V rows (each loaded once for the 4) accumulated with the probabilities.
  */
@@ -34,6 +34,19 @@ SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) {
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     return _mm512_loadu_ps((const float *)p);
 }
+SHMKV_AI __m256 FN(hi256)(__m512 a) {        /* AVX512F only (no DQ) */
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
+/* the four sums of a0..a3 into d[0..3] (one reduction tree for the four) */
+SHMKV_AI void FN(hsum4)(VEC a0, VEC a1, VEC a2, VEC a3, float *d) {
+    const __m256 r0 = _mm256_add_ps(_mm512_castps512_ps256(a0), FN(hi256)(a0));
+    const __m256 r1 = _mm256_add_ps(_mm512_castps512_ps256(a1), FN(hi256)(a1));
+    const __m256 r2 = _mm256_add_ps(_mm512_castps512_ps256(a2), FN(hi256)(a2));
+    const __m256 r3 = _mm256_add_ps(_mm512_castps512_ps256(a3), FN(hi256)(a3));
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(r0, r1), _mm256_hadd_ps(r2, r3));
+    _mm_storeu_ps(d, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+SHMKV_AI float FN(vmax16)(const float *s) { return _mm512_reduce_max_ps(_mm512_loadu_ps(s)); }
 /* exp(x - mx) for 16 scores, exactly 0 where x == -inf; returns the sum */
 SHMKV_AI float FN(vexpsub)(float *s, float mx) {
     const __m512 x0 = _mm512_loadu_ps(s);
@@ -73,6 +86,17 @@ SHMKV_AI float FN(hsum)(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #define VHSUM(v) FN(hsum)(v)
+SHMKV_AI void FN(hsum4)(VEC a0, VEC a1, VEC a2, VEC a3, float *d) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(d, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+SHMKV_AI float FN(vmax16)(const float *s) {
+    __m256 m = _mm256_max_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8));
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
 SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) {
     if (dt == SHMKV_ATT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     if (dt == SHMKV_ATT_BF16)
@@ -115,6 +139,14 @@ SHMKV_AI float FN(vexpsub)(float *s, float mx) {
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define VMUL(a, b) ((a) * (b))
 #define VHSUM(v) (v)
+SHMKV_AI void FN(hsum4)(VEC a0, VEC a1, VEC a2, VEC a3, float *d) {
+    d[0] = a0; d[1] = a1; d[2] = a2; d[3] = a3;
+}
+SHMKV_AI float FN(vmax16)(const float *s) {
+    float m = s[0];
+    for (int j = 1; j < TILE; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
 SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) { return shmkv_load_elem(p, dt, 0); }
 SHMKV_AI float FN(vexpsub)(float *s, float mx) {
     float sum = 0;
@@ -130,6 +162,7 @@ SHMKV_AI float FN(vexpsub)(float *s, float mx) {
 SHMKV_AI void FN(scores_k)(const float *q, const uint8_t *const *krow, uint32_t nt, uint32_t d,
                            float *s, const int dt, const int NG) {
     const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+    float s4[4 * TILE];
     for (uint32_t j = 0; j < nt; j++) {
         VEC a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
         const uint8_t *kr = krow[j];
@@ -140,11 +173,12 @@ SHMKV_AI void FN(scores_k)(const float *q, const uint8_t *const *krow, uint32_t 
             if (NG > 2) a2 = VFMA(k, VLOADF(q + 2 * d + c), a2);
             if (NG > 3) a3 = VFMA(k, VLOADF(q + 3 * d + c), a3);
         }
-        s[j] = VHSUM(a0);
-        if (NG > 1) s[TILE + j] = VHSUM(a1);
-        if (NG > 2) s[2 * TILE + j] = VHSUM(a2);
-        if (NG > 3) s[3 * TILE + j] = VHSUM(a3);
+        if (NG == 1) s[j] = VHSUM(a0);
+        else FN(hsum4)(a0, a1, a2, a3, s4 + 4 * j);
     }
+    if (NG > 1)                                 /* [token][g] -> [g][token] */
+        for (int g = 0; g < NG; g++)
+            for (uint32_t j = 0; j < nt; j++) s[g * TILE + j] = s4[4 * j + g];
 }
 
 /* ---- acc[g] = acc[g] * alpha[g] + sum_j p[g][j] v[j] ---------------------------------- */
@@ -200,61 +234,97 @@ static void FN(vacc)(float *acc, uint32_t ng, const float *alpha, const float *p
 }
 
 /* ---- one work item -------------------------------------------------------------------- */
-/* acc [nqv][d] is followed by m [nqv] and l [nqv].  Returns 0, or -1 on a corrupt block id. */
+/* The item's query vectors are grouped by kv head: v = (h * nrows + r) * G + g.  Per tile of
+ * TILE keys, every kv head is done in turn, so the item walks the pools in address order
+ * (one block's K rows for all heads are contiguous).  acc [nqv][d] is followed by m [nqv]
+ * and l [nqv].  Returns 0, or -1 on a corrupt block id. */
 static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf,
                               float *acc, uint32_t nqv) {
-    const uint32_t d = a->d, G = a->hq / a->hkv, bs = a->block_size;
+    const uint32_t d = a->d, G = a->hq / a->hkv, bs = a->block_size, nqh = it->nrows * G;
     const int dt = a->kv_dtype;
     float *m = acc + (size_t)nqv * d, *l = m + nqv;
     const uint32_t L = a->seq_lens[it->seq], ql = a->q_lens[it->seq];
+    const uint32_t first = L - ql + it->row0;          /* position of the item's first row */
     const int32_t *table = a->tables[it->seq];
     const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
-    const size_t tok = (size_t)a->hkv * d * esz, head = (size_t)it->head * d * esz;
-    const uint8_t *krow[TILE], *vrow[TILE];
+    const size_t tok = (size_t)a->hkv * d * esz, hstride = (size_t)d * esz;
+    const uint8_t *kb[2][TILE], *vb[2][TILE], *krow[TILE], *vrow[TILE];
     float s[4 * TILE], alpha[4];
     memset(acc, 0, (size_t)nqv * d * sizeof(float));
     for (uint32_t v = 0; v < nqv; v++) { m[v] = -INFINITY; l[v] = 0; }
-    for (uint32_t ts = it->t0; ts < it->t1; ts += TILE) {
+    /* the row addresses of tile ts into kb[w], vb[w]; block ids read once and checked */
+#define SHMKV_TILE_ROWS(ts_, w_, nt_)                                                  \
+    do {                                                                               \
+        uint32_t cur = UINT32_MAX, blk = 0;                                            \
+        for (uint32_t j = 0; j < (nt_); j++) {                                         \
+            const uint32_t t = (ts_) + j, bi = t / bs;                                 \
+            if (bi != cur) {                                                           \
+                if (shmkv_att_block(a, table, bi, &blk)) return -1;                    \
+                cur = bi;                                                              \
+            }                                                                          \
+            const size_t off = ((size_t)blk * bs + t % bs) * tok;                      \
+            kb[w_][j] = a->kpool + off;                                                \
+            vb[w_][j] = a->vpool + off;                                                \
+        }                                                                              \
+    } while (0)
+    int w = 0;
+    if (it->t0 < it->t1) SHMKV_TILE_ROWS(it->t0, 0, (it->t1 - it->t0 < TILE ? it->t1 - it->t0 : TILE));
+    for (uint32_t ts = it->t0; ts < it->t1; ts += TILE, w ^= 1) {
         const uint32_t nt = it->t1 - ts < TILE ? it->t1 - ts : TILE;
-        uint32_t cur = UINT32_MAX, blk = 0;
-        for (uint32_t j = 0; j < nt; j++) {
-            const uint32_t t = ts + j, bi = t / bs;
-            if (bi != cur) {
-                if (shmkv_att_block(a, table, bi, &blk)) return -1;
-                cur = bi;
+        const uint32_t tn = ts + TILE, nn = tn >= it->t1 ? 0 : (it->t1 - tn < TILE ? it->t1 - tn : TILE);
+        if (nn) SHMKV_TILE_ROWS(tn, w ^ 1, nn);
+        const uint8_t *const *kbase = kb[w], *const *vbase = vb[w];
+        for (uint32_t h = 0; h < a->hkv; h++) {
+            for (uint32_t j = 0; j < nt; j++) {
+                krow[j] = kbase[j] + h * hstride;
+                vrow[j] = vbase[j] + h * hstride;
             }
-            const size_t off = ((size_t)blk * bs + t % bs) * tok + head;
-            krow[j] = a->kpool + off;
-            vrow[j] = a->vpool + off;
-        }
-        for (uint32_t v0 = 0; v0 < nqv; v0 += 4) {
-            const uint32_t ng = nqv - v0 < 4 ? nqv - v0 : 4;
-            /* the rows of this group: a tile wholly past every row's last key is skipped */
-            if (L - ql + it->row0 + (v0 + ng - 1) / G + 1 <= ts) continue;
-            FN(scores)(qf + (size_t)v0 * d, ng, krow, nt, d, dt, s);
-            int any = 0;
-            for (uint32_t g = 0; g < ng; g++) {
-                const uint32_t v = v0 + g, lim = L - ql + it->row0 + v / G + 1;
-                float *sg = s + g * TILE, mt = -INFINITY;
-                for (uint32_t j = 0; j < TILE; j++) {
-                    if (j >= nt || ts + j >= lim) sg[j] = -INFINITY;
-                    else if (sg[j] > mt) mt = sg[j];
+            /* the next tile's rows of this head, a tile ahead: the rows of one head are
+             * hstride bytes every tok bytes, a stride the hardware prefetchers miss */
+            for (uint32_t j = 0; j < nn; j++) {
+                const uint8_t *pk = kb[w ^ 1][j] + h * hstride, *pv = vb[w ^ 1][j] + h * hstride;
+                for (size_t x = 0; x < hstride; x += 128) {
+                    __builtin_prefetch(pk + x, 0, 2);
+                    __builtin_prefetch(pk + x + 64, 0, 2);
+                    __builtin_prefetch(pv + x, 0, 2);
+                    __builtin_prefetch(pv + x + 64, 0, 2);
                 }
-                if (mt == -INFINITY) {                     /* nothing visible (or NaN) */
-                    alpha[g] = 1.0f;
-                    for (uint32_t j = 0; j < TILE; j++) sg[j] = 0.0f;
-                    continue;
-                }
-                const float mn = m[v] > mt ? m[v] : mt;
-                alpha[g] = m[v] == -INFINITY ? 0.0f : expf(m[v] - mn);
-                l[v] = l[v] * alpha[g] + FN(vexpsub)(sg, mn);
-                m[v] = mn;
-                any = 1;
             }
-            if (any) FN(vacc)(acc + (size_t)v0 * d, ng, alpha, s, vrow, nt, d, dt);
+            for (uint32_t q0 = 0; q0 < nqh; q0 += 4) {
+                const uint32_t ng = nqh - q0 < 4 ? nqh - q0 : 4, v0 = h * nqh + q0;
+                /* a tile wholly past every row's last key is skipped */
+                if (first + (q0 + ng - 1) / G + 1 <= ts) continue;
+                FN(scores)(qf + (size_t)v0 * d, ng, krow, nt, d, dt, s);
+                int any = 0;
+                for (uint32_t g = 0; g < ng; g++) {
+                    const uint32_t v = v0 + g, lim = first + (q0 + g) / G + 1;
+                    float *sg = s + g * TILE, mt = -INFINITY;
+                    if (nt == TILE && ts + TILE <= lim) {
+                        mt = FN(vmax16)(sg);            /* the whole tile is visible */
+                        if (mt != mt) mt = -INFINITY;   /* NaN scores: nothing sensible */
+                    } else {
+                        for (uint32_t j = 0; j < TILE; j++) {
+                            if (j >= nt || ts + j >= lim) sg[j] = -INFINITY;
+                            else if (sg[j] > mt) mt = sg[j];
+                        }
+                    }
+                    if (mt == -INFINITY) {                 /* nothing visible (or NaN) */
+                        alpha[g] = 1.0f;
+                        for (uint32_t j = 0; j < TILE; j++) sg[j] = 0.0f;
+                        continue;
+                    }
+                    const float mn = m[v] > mt ? m[v] : mt;
+                    alpha[g] = m[v] == -INFINITY ? 0.0f : m[v] == mn ? 1.0f : expf(m[v] - mn);
+                    l[v] = l[v] * alpha[g] + FN(vexpsub)(sg, mn);
+                    m[v] = mn;
+                    any = 1;
+                }
+                if (any) FN(vacc)(acc + (size_t)v0 * d, ng, alpha, s, vrow, nt, d, dt);
+            }
         }
     }
     return 0;
+#undef SHMKV_TILE_ROWS
 }
 
 #undef FN
