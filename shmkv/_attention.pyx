@@ -12,6 +12,7 @@ import operator
 
 import numpy as np
 
+cimport cython
 cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
@@ -100,13 +101,18 @@ def _force_isa(name):
         raise ValueError(f"isa {name!r}: this CPU runs at most {cpu_isa()!r}")
 
 
+@cython.boundscheck(False)
 def bench_read(buf, threads=None):
-    """The read floor: seconds to read every byte of ``buf`` (any C-contiguous buffer) once,
-    on ``threads`` threads of the kernel's pool (default: all of them)."""
-    cdef const uint8_t[::1] mv = memoryview(buf).cast("B")
+    """The read floor: seconds to read every byte of ``buf`` (a C-contiguous ndarray, e.g. a
+    pool view, any dtype) once, on ``threads`` threads of the kernel's pool (default: all)."""
+    if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+        raise TypeError("buf: expected a C-contiguous numpy.ndarray")
+    cdef const uint8_t[::1] mv = buf.reshape(-1).view(np.uint8)
     cdef uint64_t sink = 0
     cdef int t = 0 if threads is None else operator.index(threads)
     cdef double s
+    if mv.shape[0] == 0:
+        return 0.0
     with nogil:
         s = shmkv_bench_read(&mv[0], <uint64_t>mv.shape[0], t, &sink)
     return s
