@@ -504,3 +504,15 @@ def prefix_section(here=None):
         body = f.read().strip()
     lines = [("#" + ln) if ln.startswith("#") else ln for ln in body.splitlines()]
     return "\n\n" + "\n".join(lines) + "\n"
+
+
+def attention_section(here=None):
+    """The attention benchmark's section (benchmarks/attention_bench.py writes
+    RESULTS_attention.md), appended to RESULTS.md between the markers it splices at."""
+    here = here or os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "RESULTS_attention.md")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        body = f.read().strip()
+    return f"\n\n<!-- attention-bench -->\n{body}\n<!-- /attention-bench -->\n"

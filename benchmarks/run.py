@@ -590,7 +590,8 @@ def main(argv=None):
         report.draw_chart(results, chart_path)
         with open(md_path, "w") as f:
             f.write(report.markdown(results, chart_rel=os.path.relpath(
-                chart_path, os.path.dirname(md_path))) + report.prefix_section())
+                chart_path, os.path.dirname(md_path))) + report.prefix_section()
+                    + report.attention_section())
         print(report.targets_text(results))
         return 0
 
@@ -671,7 +672,7 @@ def main(argv=None):
     chart_path = os.path.join(args.out, "chart.png")
     report.draw_chart(results, chart_path)
     md = report.markdown(results, chart_rel=os.path.relpath(chart_path, os.path.dirname(md_path)))
-    md += report.prefix_section()
+    md += report.prefix_section() + report.attention_section()
     with open(md_path, "w") as f:
         f.write(md)
     progress.step(f"wrote {json_path}, {md_path}, {chart_path}")

@@ -191,13 +191,28 @@ SHMKV_AI void FN(vacc_k)(float *acc, const float *alpha, const float *p,
         VEC o1 = NG > 1 ? VMUL(VLOADF(acc + d + c), VSET1(alpha[1])) : VZERO();
         VEC o2 = NG > 2 ? VMUL(VLOADF(acc + 2 * d + c), VSET1(alpha[2])) : VZERO();
         VEC o3 = NG > 3 ? VMUL(VLOADF(acc + 3 * d + c), VSET1(alpha[3])) : VZERO();
-        for (uint32_t j = 0; j < nt; j++) {
+        /* two accumulators per query vector (even and odd keys): twice the FMAs in flight */
+        VEC e0 = VZERO(), e1 = VZERO(), e2 = VZERO(), e3 = VZERO();
+        uint32_t j = 0;
+        for (; j + 2 <= nt; j += 2) {
+            const VEC v = FN(vld)(vrow[j] + c * esz, dt), w = FN(vld)(vrow[j + 1] + c * esz, dt);
+            o0 = VFMA(VSET1(p[j]), v, o0);
+            e0 = VFMA(VSET1(p[j + 1]), w, e0);
+            if (NG > 1) { o1 = VFMA(VSET1(p[TILE + j]), v, o1); e1 = VFMA(VSET1(p[TILE + j + 1]), w, e1); }
+            if (NG > 2) { o2 = VFMA(VSET1(p[2 * TILE + j]), v, o2); e2 = VFMA(VSET1(p[2 * TILE + j + 1]), w, e2); }
+            if (NG > 3) { o3 = VFMA(VSET1(p[3 * TILE + j]), v, o3); e3 = VFMA(VSET1(p[3 * TILE + j + 1]), w, e3); }
+        }
+        if (j < nt) {
             const VEC v = FN(vld)(vrow[j] + c * esz, dt);
             o0 = VFMA(VSET1(p[j]), v, o0);
             if (NG > 1) o1 = VFMA(VSET1(p[TILE + j]), v, o1);
             if (NG > 2) o2 = VFMA(VSET1(p[2 * TILE + j]), v, o2);
             if (NG > 3) o3 = VFMA(VSET1(p[3 * TILE + j]), v, o3);
         }
+        o0 = o0 + e0;
+        if (NG > 1) o1 = o1 + e1;
+        if (NG > 2) o2 = o2 + e2;
+        if (NG > 3) o3 = o3 + e3;
         VSTOREF(acc + c, o0);
         if (NG > 1) VSTOREF(acc + d + c, o1);
         if (NG > 2) VSTOREF(acc + 2 * d + c, o2);
