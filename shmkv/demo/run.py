@@ -1,0 +1,311 @@
+"""The demo's parent process: segment, workers, scheduling, the kill, progress.
+
+The parent never runs the model while the workers serve; it hands tasks to idle workers
+over one pipe each, keeps conversations in order (a turn is ready when the previous one
+is answered), samples the segment (``snapshot``) for the shared-block count and the
+progress line, SIGKILLs one worker while it holds sequences, and re-serves its request.
+Whatever happens (an error, Ctrl-C), every process it started is ended by its PID and
+the segment is unlinked.
+"""
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import uuid
+from multiprocessing.connection import wait
+
+from .. import _core
+from ..cache import KVCache
+from . import report
+from .model import build_model, llama_config, make_traffic
+from .workers import worker_main
+
+PRESETS = {  # conversations, most turns, most new tokens, workers
+    "full": (16, 4, 24, 4),
+    "quick": (6, 3, 16, 3),
+}
+
+
+class Worker:
+    def __init__(self, wid, role, proc, conn):
+        self.wid, self.role, self.proc, self.conn = wid, role, proc, conn
+        self.pid = None
+        self.task = None            # (task name, Request) while busy
+        self.alive = True
+        self.served = 0
+
+
+class Progress:
+    """A rich progress bar on a terminal, plain lines every 2 s otherwise."""
+
+    def __init__(self, total: int, what: str):
+        self.total, self.what, self._rich, self._next = total, what, None, 0.0
+        if sys.stdout.isatty():
+            try:
+                from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
+                                           TextColumn, TimeElapsedColumn)
+                self._rich = Progress(TextColumn("{task.description}"), BarColumn(),
+                                      MofNCompleteColumn(), TimeElapsedColumn(),
+                                      TextColumn("{task.fields[info]}"), transient=False)
+                self._rich.start()
+                self._task = self._rich.add_task(what, total=total, info="")
+            except ImportError:
+                self._rich = None
+        self.t0 = time.monotonic()
+
+    def update(self, done: int, info: str = "", force: bool = False):
+        if self._rich is not None:
+            self._rich.update(self._task, completed=done, info=info)
+            return
+        now = time.monotonic()
+        if force or now >= self._next:
+            self._next = now + 2.0
+            print(f"  [{now - self.t0:5.1f}s] {self.what} {done}/{self.total}  {info}",
+                  flush=True)
+
+    def log(self, line: str):
+        if self._rich is not None:
+            self._rich.console.print(line, highlight=False)
+        else:
+            print(line, flush=True)
+
+    def close(self):
+        if self._rich is not None:
+            self._rich.stop()
+            self._rich = None
+
+
+def run(args) -> int:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from ..integrations.transformers import config_for
+
+    hf_logging.set_verbosity_error()
+    quick = "quick" if args.quick else "full"
+    n_conv, turns, max_new, n_workers = PRESETS[quick]
+    n_conv = args.conversations or n_conv
+    turns = args.turns or turns
+    max_new = args.max_new or max_new
+    n_workers = args.workers or n_workers
+    if n_workers < 3 or n_conv < 1 or turns < 1 or max_new < 4:
+        print("shmkv demo: needs --workers >= 3, --conversations >= 1, --turns >= 1 and "
+              "--max-new >= 4", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    systems, convs = make_traffic(n_conv, turns, n_system=3, max_new=max_new,
+                                  beam_every=5, handoff_every=3)
+    reqs = [r for c in convs for r in c.turns]
+    mcfg = llama_config()
+    cfg = config_for(mcfg, num_blocks=args.num_blocks, block_size=16, max_seqs=64)
+    name = f"shmkv-demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    report.header(name, cfg, mcfg, n_workers, len(reqs), len(convs), len(systems))
+    kv = KVCache.create(name, cfg)
+    ctx = mp.get_context("spawn")
+    workers = []
+    try:
+        for wid in range(n_workers):
+            parent_end, child_end = ctx.Pipe()
+            role = "prefill" if wid == 0 else "serve"
+            p = ctx.Process(target=worker_main, args=(name, wid, child_end),
+                            name=f"shmkv-demo-{role}-{wid}", daemon=True)
+            p.start()
+            child_end.close()
+            workers.append(Worker(wid, role, p, parent_end))
+        victim = None if args.no_kill else workers[-1]
+        served = _serve(kv, name, convs, reqs, workers, victim)
+        for w in workers:
+            if w.alive:
+                w.conn.send(None)
+        for w in workers:
+            w.proc.join(timeout=20)
+        if served["errors"]:
+            for rid, text in served["errors"]:
+                print(f"  ! request {rid} failed in a worker:\n{text}", file=sys.stderr)
+        checked = None
+        if not args.no_check and not served["errors"]:
+            checked = report.check_outputs(reqs, build_model("sdpa"), Progress)
+        rec = kv.recover()
+        served["final_recover"] = rec
+        st = kv.stats()
+        problems = kv.check()
+        ok = report.results(args, kv, reqs, workers, victim, served, checked, st, problems)
+        if args.hold > 0:
+            print(f"holding /{name} for {args.hold:g} s (shmkv top {name})", flush=True)
+            time.sleep(args.hold)
+        return 0 if ok else 1
+    finally:
+        for w in workers:
+            if w.proc.is_alive():
+                os.kill(w.proc.pid, signal.SIGKILL)     # by PID, never by name
+                w.proc.join(timeout=5)
+        kv.unlink()
+        kv.close()
+
+
+def _owned(snap, pid):
+    """Sequences (and their blocks) a process owns in a snapshot."""
+    seqs = [s for s in snap["sequences"] if s["owner_pid"] == pid and not s["detached"]]
+    blocks = set()
+    for s in seqs:
+        blocks.update(int(b) for b in s["table"])
+    return seqs, blocks
+
+
+def _serve(kv, name, convs, reqs, workers, victim):
+    """Serve every request; returns what the report needs."""
+    by_rid = {r.rid: r for r in reqs}
+    ready = collections.deque(c.turns[0] for c in convs)
+    for c in convs:
+        c.turns[0].prompt = c.prompt_for(0)
+    handoffs = collections.deque()        # (Request, sid, first) awaiting a decode worker
+    done, errors, events = set(), [], []
+    kill_after = max(1, len(reqs) * 2 // 5)
+    killed = None
+    peak_shared, peak_used, tokens = 0, 0, 0
+    t_start = None
+    bar = Progress(len(reqs), "requests")
+    by_conn = {w.conn: w for w in workers}
+    n_ready = 0
+    try:
+        while len(done) < len(reqs):
+            # start tasks on idle workers
+            for w in workers:
+                if not (w.alive and w.pid and w.task is None):
+                    continue
+                task = _next_task(w, ready, handoffs, any(x.alive and x.role == "prefill"
+                                                          for x in workers))
+                if task is None:
+                    continue
+                w.task = task
+                if t_start is None:
+                    t_start = time.monotonic()
+                kind, r = task[0], task[1]
+                if kind == "decode":
+                    w.conn.send(("decode", r.rid, task[2], r.prompt, task[3], r.max_new))
+                elif kind == "prefill":
+                    w.conn.send(("prefill", r.rid, r.prompt, r.max_new))
+                else:
+                    w.conn.send(("serve", r.rid, "beam" if r.kind == "beam" else "plain",
+                                 r.prompt, r.max_new))
+            live = [w.conn for w in workers if w.alive]
+            if not live:
+                raise RuntimeError("every worker is gone")
+            for conn in wait(live, timeout=0.05):
+                w = by_conn[conn]
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    w.alive = False
+                    errors.append((w.task[1].rid if w.task else -1,
+                                   f"worker {w.wid} exited with {w.proc.exitcode}"))
+                    continue
+                if msg[0] == "ready":
+                    w.pid = msg[1]
+                    n_ready += 1
+                elif msg[0] == "begin":
+                    w.t_begin = time.monotonic()
+                elif msg[0] == "handoff":
+                    r = by_rid[msg[1]]
+                    r.stats.update(msg[3])
+                    r.stats["prefill_pid"] = msg[3]["pid"]
+                    handoffs.append((r, msg[2], msg[3]["first"]))
+                    w.task = None
+                    w.served += 1
+                elif msg[0] == "done":
+                    r = by_rid[msg[1]]
+                    res = msg[2]
+                    r.output = res.pop("output")
+                    r.score = res.pop("score", 0.0)
+                    r.stats.update(res)
+                    r.stats["served_by"] = w.wid
+                    tokens += len(r.output)
+                    done.add(r.rid)
+                    w.task = None
+                    w.served += 1
+                    conv = convs[r.conv]
+                    conv.history += r.user + r.output
+                    if r.turn + 1 < len(conv.turns):
+                        nxt = conv.turns[r.turn + 1]
+                        nxt.prompt = conv.prompt_for(r.turn + 1)
+                        ready.append(nxt)
+                elif msg[0] == "error":
+                    errors.append((msg[1], msg[2]))
+                    done.add(msg[1])
+                    w.task = None
+            if errors and not killed and any(e[0] >= 0 for e in errors):
+                break
+            snap = _core.snapshot(name)
+            shared = int((snap["ref_cnt"] > 1).sum())
+            peak_shared, peak_used = max(peak_shared, shared), max(peak_used,
+                                                                   snap["used_blocks"])
+            if (victim is not None and killed is None and len(done) >= kill_after
+                    and victim.task is not None and victim.task[0] != "prefill"
+                    and time.monotonic() - getattr(victim, "t_begin", 1e18) > 0.02):
+                seqs, blocks = _owned(snap, victim.pid)
+                if seqs:
+                    killed = _kill(kv, victim, seqs, blocks, snap, ready, t_start, bar)
+            el = time.monotonic() - (t_start or time.monotonic())
+            hit = sum(r.stats.get("hit", 0) for r in reqs)
+            plen = sum(r.stats.get("prompt_len", 0) for r in reqs if "hit" in r.stats)
+            bar.update(len(done), f"{tokens / max(el, 1e-9):5.0f} tok/s  hits "
+                                  f"{100 * hit / max(plen, 1):3.0f}%  blocks "
+                                  f"{snap['used_blocks']:4d} used {shared:3d} shared  "
+                                  f"workers {sum(w.alive for w in workers)} "
+                                  f"({n_ready} ready)" if t_start else
+                                  f"starting {len(workers)} workers ({n_ready} ready)")
+        elapsed = time.monotonic() - t_start if t_start else 0.0
+        bar.update(len(done), "", force=True)
+    finally:
+        bar.close()
+    return dict(errors=errors, killed=killed, peak_shared=peak_shared, peak_used=peak_used,
+                elapsed=elapsed, tokens=tokens, events=events)
+
+
+def _next_task(w, ready, handoffs, have_prefill):
+    if w.role == "prefill":
+        for r in ready:
+            if r.kind == "handoff" and not r.reserved:
+                ready.remove(r)
+                return ("prefill", r)
+        return None
+    if handoffs:
+        r, sid, first = handoffs.popleft()
+        return ("decode", r, sid, first)
+    for r in ready:
+        if r.kind != "handoff" or r.reserved or not have_prefill:
+            ready.remove(r)
+            return ("serve", r)
+    return None
+
+
+def _kill(kv, victim, seqs, blocks, snap, ready, t_start, bar):
+    """SIGKILL the victim mid-request; recover; put its request back in line."""
+    task, r = victim.task[0], victim.task[1]
+    before = kv.stats()
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.proc.join(timeout=10)
+    victim.alive = False
+    victim.task = None
+    t = time.monotonic() - t_start
+    rec = kv.recover()
+    after = kv.stats()
+    exclusive = sum(1 for b in blocks if snap["ref_cnt"][b] == 1)
+    info = dict(pid=victim.pid, wid=victim.wid, rid=r.rid, task=task, at=t,
+                held_seqs=len(seqs), held_blocks=len(blocks), exclusive=exclusive,
+                recover=rec,
+                reclaimed_seqs=after["reclaimed_sequences"] - before["reclaimed_sequences"],
+                reclaimed_blocks=after["reclaimed_blocks"] - before["reclaimed_blocks"],
+                exitcode=victim.proc.exitcode)
+    r.reserved = True
+    r.stats = {}
+    ready.appendleft(r)
+    bar.log(f"  [{t:5.1f}s] SIGKILLed worker {victim.wid} (pid {victim.pid}) mid-request "
+            f"r{r.rid} ({task}), holding {len(seqs)} sequences / {len(blocks)} blocks "
+            f"({exclusive} its own); recovery reclaimed {info['reclaimed_seqs']} sequences, "
+            f"{info['reclaimed_blocks']} blocks; r{r.rid} goes back in line")
+    return info
