@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 
 from .model import SEED, words
-from .workers import _gen_kwargs
+from .workers import gen_kwargs
 
 NEAR_TIE = 1e-4
 
@@ -51,7 +51,7 @@ def check_outputs(reqs, model, Progress):
         for i, r in enumerate(reqs):
             ids = torch.tensor([r.prompt], dtype=torch.long)
             kind = "beam" if r.kind == "beam" else "plain"
-            kw = _gen_kwargs(kind, r.max_new)
+            kw = gen_kwargs(kind, r.max_new, ids)
             kw.update(return_dict_in_generate=True, output_scores=True)
             with torch.no_grad():
                 out = model.generate(ids, past_key_values=DynamicCache(config=model.config),
@@ -110,7 +110,8 @@ def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> b
     rows = [
         ("workers", f"{len(workers)} processes: {roles.get('prefill', 0)} prefill, "
                     f"{roles.get('serve', 0)} serve/decode; "
-                    + ", ".join(f"w{w.wid} {w.served}" for w in workers) + " tasks"),
+                    + ", ".join(f"w{w.wid} {w.served}" for w in workers) + " tasks; "
+                    + _phases(served)),
         ("requests", f"{n_done} of {len(reqs)} served: {kinds['plain']} plain, "
                      f"{kinds['handoff']} handed off prefill -> decode (detach/adopt), "
                      f"{kinds['beam']} beam search (3 beams = forks), "
@@ -184,6 +185,17 @@ def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> b
           and (checked is None or not checked["bad"]))
     print(f"\n{'OK' if ok else 'FAILED'}", flush=True)
     return ok
+
+
+def _phases(served):
+    ph = served.get("phases", {})
+    t0, ready = ph.get("start"), served.get("t_ready")
+    parts = []
+    if t0 and ready:
+        parts.append(f"ready in {ready - t0:.1f} s")
+    if "served" in ph and "checked" in ph:
+        parts.append(f"check {ph['checked'] - ph['served']:.1f} s")
+    return ", ".join(parts)
 
 
 def collections_count(it):

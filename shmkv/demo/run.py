@@ -80,12 +80,7 @@ class Progress:
 
 
 def run(args) -> int:
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from ..integrations.transformers import config_for
-
-    hf_logging.set_verbosity_error()
+    t_phase = {"start": time.monotonic()}
     quick = "quick" if args.quick else "full"
     n_conv, turns, max_new, n_workers = PRESETS[quick]
     n_conv = args.conversations or n_conv
@@ -96,6 +91,22 @@ def run(args) -> int:
         print("shmkv demo: needs --workers >= 3, --conversations >= 1, --turns >= 1 and "
               "--max-new >= 4", file=sys.stderr)
         return 2
+    # Workers come from a fork server that imported torch and transformers once (6 s of
+    # a 2-core machine's time per import): it forks each worker before any torch thread
+    # exists, so every worker starts with the modules loaded and no thread pool to inherit.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "shmkv.demo.workers",
+                                "transformers.models.llama.modeling_llama",
+                                "transformers.generation"])
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()       # it imports while this process does the same
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from ..integrations.transformers import config_for
+
+    hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
     systems, convs = make_traffic(n_conv, turns, n_system=3, max_new=max_new,
                                   beam_every=5, handoff_every=3)
@@ -105,7 +116,6 @@ def run(args) -> int:
     name = f"shmkv-demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     report.header(name, cfg, mcfg, n_workers, len(reqs), len(convs), len(systems))
     kv = KVCache.create(name, cfg)
-    ctx = mp.get_context("spawn")
     workers = []
     try:
         for wid in range(n_workers):
@@ -118,6 +128,7 @@ def run(args) -> int:
             workers.append(Worker(wid, role, p, parent_end))
         victim = None if args.no_kill else workers[-1]
         served = _serve(kv, name, convs, reqs, workers, victim)
+        t_phase["served"] = time.monotonic()
         for w in workers:
             if w.alive:
                 w.conn.send(None)
@@ -129,6 +140,8 @@ def run(args) -> int:
         checked = None
         if not args.no_check and not served["errors"]:
             checked = report.check_outputs(reqs, build_model("sdpa"), Progress)
+        t_phase["checked"] = time.monotonic()
+        served["phases"] = t_phase
         rec = kv.recover()
         served["final_recover"] = rec
         st = kv.stats()
@@ -170,7 +183,7 @@ def _serve(kv, name, convs, reqs, workers, victim):
     t_start = None
     bar = Progress(len(reqs), "requests")
     by_conn = {w.conn: w for w in workers}
-    n_ready = 0
+    n_ready, t_ready, info = 0, None, ""
     try:
         while len(done) < len(reqs):
             # start tasks on idle workers
@@ -207,6 +220,8 @@ def _serve(kv, name, convs, reqs, workers, victim):
                 if msg[0] == "ready":
                     w.pid = msg[1]
                     n_ready += 1
+                    if n_ready == len(workers):
+                        t_ready = time.monotonic()
                 elif msg[0] == "begin":
                     w.t_begin = time.monotonic()
                 elif msg[0] == "handoff":
@@ -247,23 +262,24 @@ def _serve(kv, name, convs, reqs, workers, victim):
                     and victim.task is not None and victim.task[0] != "prefill"
                     and time.monotonic() - getattr(victim, "t_begin", 1e18) > 0.02):
                 seqs, blocks = _owned(snap, victim.pid)
-                if seqs:
+                if seqs and blocks:          # mid-request: it holds blocks
                     killed = _kill(kv, victim, seqs, blocks, snap, ready, t_start, bar)
             el = time.monotonic() - (t_start or time.monotonic())
             hit = sum(r.stats.get("hit", 0) for r in reqs)
             plen = sum(r.stats.get("prompt_len", 0) for r in reqs if "hit" in r.stats)
-            bar.update(len(done), f"{tokens / max(el, 1e-9):5.0f} tok/s  hits "
-                                  f"{100 * hit / max(plen, 1):3.0f}%  blocks "
-                                  f"{snap['used_blocks']:4d} used {shared:3d} shared  "
-                                  f"workers {sum(w.alive for w in workers)} "
-                                  f"({n_ready} ready)" if t_start else
-                                  f"starting {len(workers)} workers ({n_ready} ready)")
+            if t_start:
+                info = (f"{tokens / max(el, 1e-9):5.0f} tok/s  hits "
+                        f"{100 * hit / max(plen, 1):3.0f}%  blocks {snap['used_blocks']:4d} "
+                        f"used {shared:3d} shared  workers {sum(w.alive for w in workers)}")
+            else:
+                info = f"starting {len(workers)} workers ({n_ready} ready)"
+            bar.update(len(done), info)
         elapsed = time.monotonic() - t_start if t_start else 0.0
-        bar.update(len(done), "", force=True)
+        bar.update(len(done), info, force=True)
     finally:
         bar.close()
     return dict(errors=errors, killed=killed, peak_shared=peak_shared, peak_used=peak_used,
-                elapsed=elapsed, tokens=tokens, events=events)
+                elapsed=elapsed, tokens=tokens, events=events, t_ready=t_ready)
 
 
 def _next_task(w, ready, handoffs, have_prefill):

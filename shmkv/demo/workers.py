@@ -20,9 +20,14 @@ import time
 import traceback
 
 
-def _gen_kwargs(req_kind: str, max_new: int) -> dict:
-    """The generation settings of a request kind (the checker uses the same)."""
-    kw = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+def gen_kwargs(req_kind: str, max_new: int, ids) -> dict:
+    """The generation settings of a request kind (the checker uses the same).  The
+    attention mask is explicit: without it generate() masks every token equal to the pad
+    id as padding, and a model may well generate token 0."""
+    import torch
+
+    kw = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=0,
+              attention_mask=torch.ones_like(ids))
     if req_kind == "beam":
         kw.update(num_beams=3, return_dict_in_generate=True, output_scores=True)
     return kw
@@ -93,7 +98,7 @@ def _serve(model, kv, ShmkvCache, kind: str, prompt: list, max_new: int) -> dict
         hit = int(past.get_seq_length())
         with torch.no_grad():
             out = model.generate(ids, past_key_values=past, logits_processor=procs,
-                                 **_gen_kwargs(kind, max_new))
+                                 **gen_kwargs(kind, max_new, ids))
         peak_seqs = len(past.sequence_ids)
     t1 = time.perf_counter()
     res = dict(hit=hit, prompt_len=len(prompt), ttft=timer.times[0] - t0, t_total=t1 - t0,
@@ -115,7 +120,7 @@ def _prefill(model, kv, ShmkvCache, prompt: list, max_new: int):
     try:
         hit = int(past.get_seq_length())
         with torch.no_grad():
-            out = model.generate(ids, past_key_values=past, **_gen_kwargs("plain", 1))
+            out = model.generate(ids, past_key_values=past, **gen_kwargs("plain", 1, ids))
         first = int(out[0, -1])
         ttft = time.perf_counter() - t0
         (sid,) = past.release()        # ours, but no longer the cache's to free
@@ -135,7 +140,8 @@ def _decode(model, kv, ShmkvCache, sid: int, prompt: list, first: int, max_new: 
     with ShmkvCache(kv, sequence_ids=[sid]) as past:
         adopted = int(past.get_seq_length())
         with torch.no_grad():
-            out = model.generate(ids, past_key_values=past, **_gen_kwargs("plain", max_new - 1))
+            out = model.generate(ids, past_key_values=past,
+                                 **gen_kwargs("plain", max_new - 1, ids))
     res = dict(output=[first] + out[0, len(prompt) + 1:].tolist(), adopted=adopted,
                t_total=time.perf_counter() - t0, pid=os.getpid())
     return res
