@@ -17,7 +17,7 @@ $(DEPS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -U pip "setuptools>=64" wheel "Cython>=3.0,<4" "numpy>=1.24"
 	$(PIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "hypothesis>=6.80" "rich>=13" "Pillow>=9"
-	$(PIP) install -q "ml_dtypes>=0.3" "torch==2.13.0"
+	$(PIP) install -q "ml_dtypes>=0.3" "torch==2.13.0" "transformers==5.23.0"
 	touch $@
 
 $(BUILT): $(DEPS) $(SRC)
