@@ -22,6 +22,13 @@ import sys
 NEEDS = 'shmkv demo: needs torch and transformers: pip install "shmkv[transformers]"'
 
 
+def _have(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):      # e.g. sys.modules[module] is None
+        return False
+
+
 def build_parser(prog: str = "shmkv demo") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
@@ -64,7 +71,7 @@ def main(argv=None) -> int:
         argv.remove("--synthetic")
         return synthetic.main(argv)
     args = build_parser().parse_args(argv)
-    if any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")):
+    if not all(_have(m) for m in ("torch", "transformers")):
         print(NEEDS, file=sys.stderr)
         return 2
     from .run import run

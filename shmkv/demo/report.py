@@ -137,12 +137,16 @@ def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> b
     else:
         again = next((r for r in reqs if r.rid == k["rid"]), None)
         rows.append(("killed worker",
-                     f"w{k['wid']} pid {k['pid']} SIGKILLed at {k['at']:.1f} s mid-request "
-                     f"r{k['rid']} ({k['task']}), exit {k['exitcode']}, holding "
+                     f"w{k['wid']} pid {k['pid']} SIGKILLed at {k['at']:.1f} s while "
+                     f"{k['task']} for r{k['rid']}, exit {k['exitcode']}, holding "
                      f"{k['held_seqs']} sequences / {k['held_blocks']} blocks"))
+        rec = k["recover"]
         rows.append(("recovery", f"reclaimed {k['reclaimed_seqs']} sequences, "
-                                 f"{k['reclaimed_blocks']} blocks (recover() returned "
-                                 f"{k['recover']}); r{k['rid']} re-served by "
+                                 f"{k['reclaimed_blocks']} blocks"
+                                 + (" (the rest stay with their other holders)"
+                                    if k["reclaimed_blocks"] < k["held_blocks"] else "")
+                                 + f" in {rec.get('duration_s', 0) * 1e6:.0f} us; "
+                                 f"r{k['rid']} re-served by "
                                  f"w{again.stats.get('served_by', '?') if again else '?'}"))
     end_ok = st["used_blocks"] == 0 and not problems
     rows.append(("end state", f"used_blocks == {st['used_blocks']}, "

@@ -25,7 +25,7 @@ from .model import build_model, llama_config, make_traffic
 from .workers import worker_main
 
 PRESETS = {  # conversations, most turns, most new tokens, workers
-    "full": (16, 4, 24, 4),
+    "full": (40, 5, 32, 4),
     "quick": (6, 3, 16, 3),
 }
 
@@ -176,7 +176,7 @@ def _serve(kv, name, convs, reqs, workers, victim):
     for c in convs:
         c.turns[0].prompt = c.prompt_for(0)
     handoffs = collections.deque()        # (Request, sid, first) awaiting a decode worker
-    done, errors, events = set(), [], []
+    done, errors = set(), []
     kill_after = max(1, len(reqs) * 2 // 5)
     killed = None
     peak_shared, peak_used, tokens = 0, 0, 0
@@ -252,7 +252,7 @@ def _serve(kv, name, convs, reqs, workers, victim):
                     errors.append((msg[1], msg[2]))
                     done.add(msg[1])
                     w.task = None
-            if errors and not killed and any(e[0] >= 0 for e in errors):
+            if errors:
                 break
             snap = _core.snapshot(name)
             shared = int((snap["ref_cnt"] > 1).sum())
@@ -279,7 +279,7 @@ def _serve(kv, name, convs, reqs, workers, victim):
     finally:
         bar.close()
     return dict(errors=errors, killed=killed, peak_shared=peak_shared, peak_used=peak_used,
-                elapsed=elapsed, tokens=tokens, events=events, t_ready=t_ready)
+                elapsed=elapsed, tokens=tokens, t_ready=t_ready)
 
 
 def _next_task(w, ready, handoffs, have_prefill):
@@ -302,6 +302,8 @@ def _next_task(w, ready, handoffs, have_prefill):
 def _kill(kv, victim, seqs, blocks, snap, ready, t_start, bar):
     """SIGKILL the victim mid-request; recover; put its request back in line."""
     task, r = victim.task[0], victim.task[1]
+    task = {"decode": "decoding a handed-off sequence",
+            "serve": "beam search" if r.kind == "beam" else "generating"}.get(task, task)
     before = kv.stats()
     os.kill(victim.pid, signal.SIGKILL)
     victim.proc.join(timeout=10)
@@ -320,8 +322,8 @@ def _kill(kv, victim, seqs, blocks, snap, ready, t_start, bar):
     r.reserved = True
     r.stats = {}
     ready.appendleft(r)
-    bar.log(f"  [{t:5.1f}s] SIGKILLed worker {victim.wid} (pid {victim.pid}) mid-request "
-            f"r{r.rid} ({task}), holding {len(seqs)} sequences / {len(blocks)} blocks "
+    bar.log(f"  [{t:5.1f}s] SIGKILLed worker {victim.wid} (pid {victim.pid}) while "
+            f"{task} for r{r.rid}, holding {len(seqs)} sequences / {len(blocks)} blocks "
             f"({exclusive} its own); recovery reclaimed {info['reclaimed_seqs']} sequences, "
             f"{info['reclaimed_blocks']} blocks; r{r.rid} goes back in line")
     return info

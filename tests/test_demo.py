@@ -1,0 +1,90 @@
+"""`shmkv demo`: real inference by several processes on one segment, checked end to end.
+
+The demo is run as a user runs it (``python -m shmkv demo --quick`` in a subprocess, from
+a directory outside the checkout) and judged by what it prints and leaves behind.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def run_demo(tmp_path, *args, pre="", timeout=240):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SHMKV_PLANT", "SHMKV_CRASH_POINT")}
+    code = (f"import sys\n{pre}\nfrom shmkv.cli import main\n"
+            f"sys.exit(main(['demo', *{list(args)!r}]))")
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout, env=env, check=False)
+
+
+@pytest.mark.slow
+def test_demo_quick_real_inference(tmp_path):
+    r = run_demo(tmp_path, "--quick")
+    out = r.stdout
+    assert r.returncode == 0, (out, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "\x1b[" not in out, "colour codes on a pipe"
+
+    # every output was recomputed with DynamicCache and is equal
+    m = re.search(r"(\d+) of (\d+) outputs equal a single-process DynamicCache run", out)
+    assert m, out
+    n_equal, n = int(m.group(1)), int(m.group(2))
+    assert n > 0 and n_equal == n, out
+    assert "MISMATCH" not in out
+
+    # the requests were of every kind, with prefix hits
+    m = re.search(r"(\d+) of (\d+) served: (\d+) plain, (\d+) handed off prefill -> decode"
+                  r".*?, (\d+) beam search .*?, (\d+) re-served after the kill", out)
+    assert m, out
+    served, total, plain, handoff, beam, again = map(int, m.groups())
+    assert served == total == n and plain > 0 and handoff > 0 and beam > 0 and again >= 1
+    m = re.search(r"([\d,]+) of ([\d,]+) prompt tokens were hits", out)
+    assert m and int(m.group(1).replace(",", "")) > 0, out
+
+    # one worker was SIGKILLed while it held blocks, and recovery reclaimed them
+    m = re.search(r"SIGKILLed worker \d+ \(pid \d+\) while .*? holding (\d+) sequences / "
+                  r"(\d+) blocks", out)
+    assert m and int(m.group(1)) >= 1 and int(m.group(2)) >= 1, out
+    m = re.search(r"recovery +reclaimed (\d+) sequences, (\d+) blocks", out)
+    assert m and int(m.group(1)) >= 1 and int(m.group(2)) >= 1, out
+    assert re.search(r"exit -9", out), out
+
+    # the end state, and nothing left in /dev/shm
+    assert "used_blocks == 0, 0 sequences, check() == []" in out
+    m = re.search(r"on segment /(\S+)", out)
+    assert m, out
+    assert not os.path.exists(f"/dev/shm/{m.group(1)}")
+    assert out.rstrip().endswith("OK")
+
+
+def test_demo_without_torch_says_how_to_get_it(tmp_path):
+    for mod in ("torch", "transformers"):
+        r = run_demo(tmp_path, "--quick", pre=f"sys.modules[{mod!r}] = None", timeout=60)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and 'pip install "shmkv[transformers]"' in lines[0], r.stderr
+        assert r.stdout == ""
+
+
+def test_import_shmkv_never_imports_torch(tmp_path):
+    code = ("import sys, shmkv, shmkv.demo, shmkv.cli\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_synthetic_demo_still_runs(tmp_path):
+    r = run_demo(tmp_path, "--synthetic", "--preset", "tiny", "--workers", "1",
+                 "--duration", "1.5", timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "check()        [] (consistent)" in r.stdout
+    m = re.search(r"segment /(\S+):", r.stdout)
+    assert m and not os.path.exists(f"/dev/shm/{m.group(1)}")
