@@ -46,11 +46,11 @@ class Progress:
         self.total, self.what, self._rich, self._next = total, what, None, 0.0
         if sys.stdout.isatty():
             try:
-                from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
-                                           TextColumn, TimeElapsedColumn)
-                self._rich = Progress(TextColumn("{task.description}"), BarColumn(),
-                                      MofNCompleteColumn(), TimeElapsedColumn(),
-                                      TextColumn("{task.fields[info]}"), transient=False)
+                from rich import progress as rp
+
+                self._rich = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(),
+                                         rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
+                                         rp.TextColumn("{task.fields[info]}"))
                 self._rich.start()
                 self._task = self._rich.add_task(what, total=total, info="")
             except ImportError:
@@ -151,6 +151,10 @@ def run(args) -> int:
             print(f"holding /{name} for {args.hold:g} s (shmkv top {name})", flush=True)
             time.sleep(args.hold)
         return 0 if ok else 1
+    except KeyboardInterrupt:
+        print(f"\nshmkv demo: interrupted; ending {sum(w.proc.is_alive() for w in workers)} "
+              f"worker processes and unlinking /{name}", file=sys.stderr, flush=True)
+        return 130
     finally:
         for w in workers:
             if w.proc.is_alive():
@@ -158,12 +162,30 @@ def run(args) -> int:
                 w.proc.join(timeout=5)
         kv.unlink()
         kv.close()
+        _stop_helpers()
+
+
+def _stop_helpers():
+    """End multiprocessing's helper processes this run started (the fork server, the
+    resource tracker) by their PIDs, with multiprocessing's own stop (close the lifeline,
+    then waitpid); they would also exit with us, a moment later."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (getattr(forkserver, "_forkserver", None),
+                   getattr(resource_tracker, "_resource_tracker", None)):
+        stop = getattr(helper, "_stop", None)
+        if stop is None:
+            continue
+        try:
+            stop()
+        except (OSError, ChildProcessError):
+            pass
 
 
 def _owned(snap, pid):
     """Sequences (and their blocks) a process owns in a snapshot."""
     seqs = [s for s in snap["sequences"] if s["owner_pid"] == pid and not s["detached"]]
-    blocks = set()
+    blocks = collections.Counter()         # block -> references from these sequences
     for s in seqs:
         blocks.update(int(b) for b in s["table"])
     return seqs, blocks
@@ -309,10 +331,10 @@ def _kill(kv, victim, seqs, blocks, snap, ready, t_start, bar):
     victim.proc.join(timeout=10)
     victim.alive = False
     victim.task = None
-    t = time.monotonic() - t_start
+    t = time.monotonic() - bar.t0
     rec = kv.recover()
     after = kv.stats()
-    exclusive = sum(1 for b in blocks if snap["ref_cnt"][b] == 1)
+    exclusive = sum(1 for b, n in blocks.items() if snap["ref_cnt"][b] <= n)
     info = dict(pid=victim.pid, wid=victim.wid, rid=r.rid, task=task, at=t,
                 held_seqs=len(seqs), held_blocks=len(blocks), exclusive=exclusive,
                 recover=rec,
@@ -324,6 +346,7 @@ def _kill(kv, victim, seqs, blocks, snap, ready, t_start, bar):
     ready.appendleft(r)
     bar.log(f"  [{t:5.1f}s] SIGKILLed worker {victim.wid} (pid {victim.pid}) while "
             f"{task} for r{r.rid}, holding {len(seqs)} sequences / {len(blocks)} blocks "
-            f"({exclusive} its own); recovery reclaimed {info['reclaimed_seqs']} sequences, "
-            f"{info['reclaimed_blocks']} blocks; r{r.rid} goes back in line")
+            f"({exclusive} held by nobody else); recovery reclaimed "
+            f"{info['reclaimed_seqs']} sequences, {info['reclaimed_blocks']} blocks; "
+            f"r{r.rid} goes back in line")
     return info
