@@ -88,3 +88,43 @@ def test_synthetic_demo_still_runs(tmp_path):
     assert "check()        [] (consistent)" in r.stdout
     m = re.search(r"segment /(\S+):", r.stdout)
     assert m and not os.path.exists(f"/dev/shm/{m.group(1)}")
+
+
+def test_checker_tells_equal_near_tie_and_mismatch(monkeypatch):
+    """The checker is not a rubber stamp: a changed token is a mismatch, and the same
+    change counts as a near-tie only when the reference logits are that close."""
+    import torch
+
+    from shmkv.demo import report
+    from shmkv.demo.model import Request, build_model
+    from shmkv.demo.workers import gen_kwargs
+
+    class NoBar:
+        def __init__(self, *a):
+            pass
+
+        def update(self, *a, **k):
+            pass
+
+        def close(self):
+            pass
+
+    torch.set_num_threads(1)
+    model = build_model("sdpa")
+    prompt = list(range(5, 45))
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = model.generate(ids, **gen_kwargs("plain", 8, ids))[0, len(prompt):].tolist()
+    good = Request(rid=0, conv=0, turn=0, kind="plain", max_new=8, user=[], prompt=prompt,
+                   output=list(ref))
+    bad_out = list(ref)
+    bad_out[3] = (bad_out[3] + 1) % 2048
+    bad = Request(rid=1, conv=0, turn=0, kind="handoff", max_new=8, user=[], prompt=prompt,
+                  output=bad_out)
+    res = report.check_outputs([good, bad], model, NoBar)
+    assert res["equal"] == [0] and not res["near"]
+    assert [d["rid"] for d in res["bad"]] == [1] and res["bad"][0]["step"] == 3
+    assert res["bad"][0]["gap"] > 0
+    monkeypatch.setattr(report, "NEAR_TIE", 1e9)        # everything is "close"
+    res = report.check_outputs([bad], model, NoBar)
+    assert [d["rid"] for d in res["near"]] == [1] and not res["bad"]

@@ -116,6 +116,7 @@ def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> b
                      f"{kinds['handoff']} handed off prefill -> decode (detach/adopt), "
                      f"{kinds['beam']} beam search (3 beams = forks), "
                      f"{len(reserved)} re-served after the kill"),
+        ("hand-off", _handoff_line(reqs)),
         ("tokens", f"{served['tokens']:,} generated in {el:.1f} s: "
                    f"{served['tokens'] / max(el, 1e-9):,.0f} tokens/s "
                    f"({len(workers)} processes on {_ncpu()} cores)"),
@@ -185,10 +186,23 @@ def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> b
         print(f"  r{r.rid} conv {r.conv} turn {r.turn} ({r.kind}), prompt "
               f"{len(r.prompt)} tokens ...{words(r.prompt[-6:], 6)}")
         print(f"      -> {words(r.output, 14)}")
-    ok = (end_ok and not served["errors"] and (victim is None or k is not None)
-          and (checked is None or not checked["bad"]))
+    ok = (end_ok and not served["errors"] and "NOT" not in _handoff_line(reqs)
+          and (victim is None or k is not None) and (checked is None or not checked["bad"]))
     print(f"\n{'OK' if ok else 'FAILED'}", flush=True)
     return ok
+
+
+def _handoff_line(reqs):
+    h = [r for r in reqs if "adopted" in r.stats]
+    if not h:
+        return "none"
+    short = [r.rid for r in h if r.stats["adopted"] != len(r.prompt)]
+    line = (f"{len(h)} sequences prefilled by the prefill worker, detached, adopted by a "
+            f"decode worker: ")
+    if short:
+        return line + f"{len(short)} did NOT hold their whole prompt (r{short[0]}, ...)"
+    return line + (f"each held its whole prompt ({sum(len(r.prompt) for r in h):,} "
+                   f"tokens, none recomputed)")
 
 
 def _phases(served):
