@@ -113,7 +113,10 @@ def _caller_attn_implementation() -> Optional[str]:
     """The ``config._attn_implementation`` of the module whose forward called
     ``ShmkvCache.update`` (the standard ``past_key_values.update(k, v, self.layer_idx)``
     call of every transformers attention module), or None if no such module is found."""
-    f = sys._getframe(2)
+    try:
+        f = sys._getframe(2)
+    except ValueError:            # called from the top of a stack
+        return None
     for _ in range(3):
         if f is None:
             return None
