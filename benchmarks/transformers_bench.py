@@ -22,7 +22,8 @@ measured in the same run as its baseline:
 transformers' own paged cache (continuous batching, ``generate_batch``) is a request
 scheduler, not a ``Cache`` for ``generate``: it is not measured here.
 
-Medians of repeated steps. Targets (reported, never asserted): a decode step <= 0.5x
+Medians of repeated steps (the decode set-ups interleaved step by step); torch and the
+shmkv kernel on one thread each by default (``--threads``). Targets (reported, never asserted): a decode step <= 0.5x
 DynamicCache's at 2k and falling further behind as the context grows; the first token
 after a hit <= 0.2x cold.
 """
@@ -74,9 +75,9 @@ def ms(r):
 
 # ---- decode --------------------------------------------------------------------------------
 def decode_case(model, batch, ctx, reps):
-    """ms per decode step at ``ctx`` tokens of context; ``*_attn`` keys: the step minus the
-    same step at a 16-token context (the model's own fixed cost: weights, MLP, lm_head),
-    i.e. what the cache and the attention cost."""
+    """ms per decode step at ``ctx`` tokens of context, the three set-ups interleaved step
+    by step.  ``attn_share`` subtracts the same step at a 16-token context (the model's own
+    fixed cost: weights, MLP, lm_head), leaving what the cache and the attention cost."""
     import numpy as np
     import torch
     from transformers import DynamicCache
@@ -98,25 +99,29 @@ def decode_case(model, batch, ctx, reps):
             sids.append(s)
         tok = torch.randint(0, c.vocab_size, (batch, 1), generator=g)
 
-        def steps(cache, attn):
-            model.set_attn_implementation(attn)
-            ts = []
-            with torch.inference_mode():
-                for _ in range(reps + 2):
-                    t0 = time.perf_counter_ns()
-                    model(input_ids=tok, past_key_values=cache, use_cache=True)
-                    ts.append(time.perf_counter_ns() - t0)
-            return summarize(ts[2:])
-
-        with ShmkvCache(kv, sequence_ids=list(sids)) as past:
-            res["shmkv"] = steps(past, "shmkv")
-            res["shmkv_sdpa"] = steps(past, "sdpa")
         dc = DynamicCache()
         for layer in range(L):
             dc.update(k[layer].transpose(1, 2).contiguous(), v[layer].transpose(1, 2).contiguous(),
                       layer)
         del k, v
-        res["dynamic_sdpa"] = steps(dc, "sdpa")
+        past = ShmkvCache(kv, sequence_ids=list(sids))
+        runs = {"shmkv": (past, "shmkv"), "shmkv_sdpa": (past, "sdpa"),
+                "dynamic_sdpa": (dc, "sdpa")}
+        ts = {key: [] for key in runs}
+        with torch.inference_mode():
+            # interleaved: one step of each in turn, so that a change of machine load
+            # touches all three alike (the attention implementation is switched outside
+            # the timed region)
+            for i in range(reps + 2):
+                for key, (cache, attn) in runs.items():
+                    model.set_attn_implementation(attn)
+                    t0 = time.perf_counter_ns()
+                    model(input_ids=tok, past_key_values=cache, use_cache=True)
+                    if i >= 2:
+                        ts[key].append(time.perf_counter_ns() - t0)
+        for key in runs:
+            res[key] = summarize(ts[key])
+        past.close()
         del dc
     finally:
         kv.close()

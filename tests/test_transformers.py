@@ -414,3 +414,14 @@ def test_reorder_cache_is_forks_and_frees(model, make_kv):
     assert len(past.sequence_ids) == 1 and past.get_seq_length() == 5
     past.close()
     settled(kv)
+
+
+def test_sequence_slots_exhausted_by_beams_release_everything(model, make_kv):
+    model.set_attn_implementation("shmkv")
+    kv = make_kv(model, max_seqs=5)
+    past = ShmkvCache(kv)
+    with pytest.raises(shmkv.CacheFullError):
+        model.generate(prompts(2, 6, seed=18), past_key_values=past, max_new_tokens=4,
+                       num_beams=3)
+    assert past.sequence_ids == [] and kv.sequences() == []
+    settled(kv)

@@ -378,15 +378,14 @@ class ShmkvCache(Cache):
         return self._full_kv(layer_idx, self._len + self._step_n, key_states.dtype)
 
     def _begin_step(self, B: int, n: int) -> None:
-        if self._step_n:                  # the previous forward died half-way: undo it
-            self._rollback_step()
         kv = self.kv
         try:
+            if self._step_n:              # the previous forward died half-way: undo it
+                self._rollback_step()
             if not self._rows:
-                self._rows = [kv.create_sequence() for _ in range(B)] if B else []
-                self._prompt_row = list(range(B))
-                if len(self._rows) != B:  # pragma: no cover
-                    raise RuntimeError("create_sequence")
+                for r in range(B):        # one by one: a failure leaves none unaccounted
+                    self._rows.append(kv.create_sequence())
+                    self._prompt_row.append(r)
             elif B != len(self._rows):
                 R = len(self._rows)
                 if B % R:
