@@ -81,7 +81,7 @@ def config_for(model_config, *, num_blocks: int, block_size: int = 16, max_seqs:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     if dtype is None:
-        dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        dtype = getattr(cfg, "dtype", None)
         name = _dtype_name(dtype)
     elif isinstance(dtype, str) and dtype in ("float32", "float16", "bfloat16", "int8"):
         name = dtype
@@ -113,7 +113,10 @@ def _caller_attn_implementation() -> Optional[str]:
     """The ``config._attn_implementation`` of the module whose forward called
     ``ShmkvCache.update`` (the standard ``past_key_values.update(k, v, self.layer_idx)``
     call of every transformers attention module), or None if no such module is found."""
-    f = sys._getframe(2)
+    try:
+        f = sys._getframe(2)
+    except ValueError:            # called from the top of a stack
+        return None
     for _ in range(3):
         if f is None:
             return None
@@ -302,9 +305,9 @@ class ShmkvCache(Cache):
         return list(self._rows)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens cached for ``layer_idx`` (before ``generate``: the prefix hit)."""
-        if self._step_n and layer_idx <= self._step_layer:
-            return self._len + self._step_n
+        """Tokens cached (before ``generate``: the prefix hit).  The same for every layer:
+        the tokens of a forward count once its last layer has stored them, so a forward
+        that raised half-way counts nothing (its tokens are dropped by the next one)."""
         return self._len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
@@ -372,19 +375,17 @@ class ShmkvCache(Cache):
             _TLS.rec = (self, layer_idx, key_states)
             return key_states, value_states
         _TLS.rec = None
-        return self._full_kv(layer_idx, self._len + self._step_n if self._step_n else self._len,
-                             key_states.dtype)
+        return self._full_kv(layer_idx, self._len + self._step_n, key_states.dtype)
 
     def _begin_step(self, B: int, n: int) -> None:
-        if self._step_n:                  # the previous forward died half-way: undo it
-            self._rollback_step()
         kv = self.kv
         try:
+            if self._step_n:              # the previous forward died half-way: undo it
+                self._rollback_step()
             if not self._rows:
-                self._rows = [kv.create_sequence() for _ in range(B)] if B else []
-                self._prompt_row = list(range(B))
-                if len(self._rows) != B:  # pragma: no cover
-                    raise RuntimeError("create_sequence")
+                for r in range(B):        # one by one: a failure leaves none unaccounted
+                    self._rows.append(kv.create_sequence())
+                    self._prompt_row.append(r)
             elif B != len(self._rows):
                 R = len(self._rows)
                 if B % R:
@@ -688,8 +689,7 @@ def shmkv_attention_forward(module, query: torch.Tensor, key: torch.Tensor,
             raise ValueError("ShmkvCache(prompt_ids=...): a padded batch cannot be shared "
                              "through the prefix cache (the positions of its tokens depend on "
                              "the padding); pass unpadded prompts of equal length")
-        length = cache.get_seq_length(layer)
-        k, v = cache._full_kv(layer, length, query.dtype)
+        k, v = cache._full_kv(layer, cache._len + cache._step_n, query.dtype)
         return _dense_attention(query, k, v, pad, scaling, causal, window), None
     # [B, Hq, q, D] -> rows [B*q, Hq, D] in sequence order (a view in the usual layout)
     qq = query.detach().transpose(1, 2).reshape(B * q, Hq, D)
