@@ -25,7 +25,7 @@ from .model import build_model, llama_config, make_traffic
 from .workers import worker_main
 
 PRESETS = {  # conversations, most turns, most new tokens, workers
-    "full": (40, 5, 32, 4),
+    "full": (48, 5, 40, 4),
     "quick": (6, 3, 16, 3),
 }
 
@@ -325,7 +325,7 @@ def _kill(kv, victim, seqs, blocks, snap, ready, t_start, bar):
     """SIGKILL the victim mid-request; recover; put its request back in line."""
     task, r = victim.task[0], victim.task[1]
     task = {"decode": "decoding a handed-off sequence",
-            "serve": "beam search" if r.kind == "beam" else "generating"}.get(task, task)
+            "serve": "running beam search" if r.kind == "beam" else "generating"}.get(task, task)
     before = kv.stats()
     os.kill(victim.pid, signal.SIGKILL)
     victim.proc.join(timeout=10)
