@@ -30,10 +30,14 @@ PRESETS = {  # conversations, most turns, most new tokens, workers
 }
 
 
+STALL_S = 120      # no message from any worker for this long: give up (exit 1)
+
+
 class Worker:
     def __init__(self, wid, role, proc, conn):
         self.wid, self.role, self.proc, self.conn = wid, role, proc, conn
         self.pid = None
+        self.t_begin = None         # when it said "begin" for its current task
         self.task = None            # (task name, Request) while busy
         self.alive = True
         self.served = 0
@@ -206,6 +210,7 @@ def _serve(kv, name, convs, reqs, workers, victim):
     bar = Progress(len(reqs), "requests")
     by_conn = {w.conn: w for w in workers}
     n_ready, t_ready, info = 0, None, ""
+    last_msg = time.monotonic()
     try:
         while len(done) < len(reqs):
             # start tasks on idle workers
@@ -216,7 +221,7 @@ def _serve(kv, name, convs, reqs, workers, victim):
                                                           for x in workers))
                 if task is None:
                     continue
-                w.task = task
+                w.task, w.t_begin = task, None
                 if t_start is None:
                     t_start = time.monotonic()
                 kind, r = task[0], task[1]
@@ -230,7 +235,13 @@ def _serve(kv, name, convs, reqs, workers, victim):
             live = [w.conn for w in workers if w.alive]
             if not live:
                 raise RuntimeError("every worker is gone")
-            for conn in wait(live, timeout=0.05):
+            got = wait(live, timeout=0.05)
+            if got:
+                last_msg = time.monotonic()
+            elif time.monotonic() - last_msg > STALL_S:
+                errors.append((-1, f"no worker reported anything for {STALL_S} s"))
+                break
+            for conn in got:
                 w = by_conn[conn]
                 try:
                     msg = conn.recv()
@@ -282,7 +293,8 @@ def _serve(kv, name, convs, reqs, workers, victim):
                                                                    snap["used_blocks"])
             if (victim is not None and killed is None and len(done) >= kill_after
                     and victim.task is not None and victim.task[0] != "prefill"
-                    and time.monotonic() - getattr(victim, "t_begin", 1e18) > 0.02):
+                    and victim.t_begin is not None
+                    and time.monotonic() - victim.t_begin > 0.02):
                 seqs, blocks = _owned(snap, victim.pid)
                 if seqs and blocks:          # mid-request: it holds blocks
                     killed = _kill(kv, victim, seqs, blocks, snap, ready, t_start, bar)
