@@ -25,7 +25,29 @@ def run_demo(tmp_path, *args, pre="", timeout=240):
 
 @pytest.mark.slow
 def test_demo_quick_real_inference(tmp_path):
-    r = run_demo(tmp_path, "--quick")
+    # run as `shmkv demo --quick`; while it runs, `shmkv top NAME` shows its segment
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SHMKV_PLANT", "SHMKV_CRASH_POINT")}
+    p = subprocess.Popen([sys.executable, "-m", "shmkv", "demo", "--quick"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        head = []
+        for line in p.stdout:
+            head.append(line)
+            if "shmkv top " in line:
+                break
+        name = head[-1].split("shmkv top ")[-1].strip()
+        top = subprocess.run([sys.executable, "-m", "shmkv", "top", name, "--iterations",
+                              "1", "--plain"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60, env=env, check=False)
+        rest, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert top.returncode == 0 and f"shmkv top {name}" in top.stdout, (top.stdout, top.stderr)
+    assert "processes" in top.stdout and str(p.pid) in top.stdout, top.stdout
+    r = subprocess.CompletedProcess(p.args, p.returncode, "".join(head) + rest, err)
     out = r.stdout
     assert r.returncode == 0, (out, r.stderr)
     assert "Traceback" not in r.stderr, r.stderr
