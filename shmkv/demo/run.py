@@ -30,6 +30,7 @@ PRESETS = {  # conversations, most turns, most new tokens, workers
 }
 
 
+MAX_WAITING_HANDOFFS = 8   # detached sequences waiting for a decode worker, at most
 STALL_S = 120      # no message from any worker for this long: give up (exit 1)
 
 
@@ -116,7 +117,7 @@ def run(args) -> int:
                                   beam_every=5, handoff_every=3)
     reqs = [r for c in convs for r in c.turns]
     mcfg = llama_config()
-    cfg = config_for(mcfg, num_blocks=args.num_blocks, block_size=16, max_seqs=64)
+    cfg = config_for(mcfg, num_blocks=args.num_blocks, block_size=16, max_seqs=128)
     name = f"shmkv-demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     report.header(name, cfg, mcfg, n_workers, len(reqs), len(convs), len(systems))
     kv = KVCache.create(name, cfg)
@@ -318,6 +319,8 @@ def _serve(kv, name, convs, reqs, workers, victim):
 
 def _next_task(w, ready, handoffs, have_prefill):
     if w.role == "prefill":
+        if len(handoffs) >= MAX_WAITING_HANDOFFS:    # decode workers are behind: wait
+            return None
         for r in ready:
             if r.kind == "handoff" and not r.reserved:
                 ready.remove(r)
