@@ -80,8 +80,8 @@ def check_outputs(reqs, model, Progress):
                     (near if tie else bad).append(dict(rid=r.rid, step=j, gap=gap,
                                                        scale=scale, beam=False,
                                                        ours=r.output, ref=ref))
-            bar.update(i + 1, f"{len(equal)} equal, {len(near)} near-ties, "
-                              f"{len(bad)} mismatches")
+            bar.update(i + 1, f"{len(equal)} equal, {len(near)} near-tie, "
+                              f"{len(bad)} mismatch")
     finally:
         bar.close()
     return dict(equal=equal, near=near, bad=bad)

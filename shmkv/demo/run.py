@@ -53,8 +53,10 @@ class Progress:
             try:
                 from rich import progress as rp
 
-                self._rich = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(),
-                                         rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
+                # fits 80 columns: a fixed bar, the counts, then the info (cut if need be)
+                self._rich = rp.Progress(rp.TextColumn("{task.description}"),
+                                         rp.BarColumn(bar_width=16), rp.MofNCompleteColumn(),
+                                         rp.TimeElapsedColumn(),
                                          rp.TextColumn("{task.fields[info]}"))
                 self._rich.start()
                 self._task = self._rich.add_task(what, total=total, info="")
@@ -303,11 +305,11 @@ def _serve(kv, name, convs, reqs, workers, victim):
             hit = sum(r.stats.get("hit", 0) for r in reqs)
             plen = sum(r.stats.get("prompt_len", 0) for r in reqs if "hit" in r.stats)
             if t_start:
-                info = (f"{tokens / max(el, 1e-9):5.0f} tok/s  hits "
-                        f"{100 * hit / max(plen, 1):3.0f}%  blocks {snap['used_blocks']:4d} "
-                        f"used {shared:3d} shared  workers {sum(w.alive for w in workers)}")
+                info = (f"{tokens / max(el, 1e-9):4.0f} tok/s  hits "
+                        f"{100 * hit / max(plen, 1):2.0f}%  blocks {snap['used_blocks']} "
+                        f"({shared} shared)")
             else:
-                info = f"starting {len(workers)} workers ({n_ready} ready)"
+                info = f"starting workers ({n_ready} of {len(workers)} ready)"
             bar.update(len(done), info)
         elapsed = time.monotonic() - t_start if t_start else 0.0
         bar.update(len(done), info, force=True)
