@@ -299,6 +299,15 @@ def machine():
 
 def render(meta, dec, ttft, procs):
     out = ["## Hugging Face transformers (`ShmkvCache`, `attn_implementation=\"shmkv\"`)", ""]
+    reruns = meta.get("reruns", {})
+    if "load_processes_rerun" in meta:
+        reruns = {"processes": meta["load_processes_rerun"], **reruns}
+
+    def rerun(section):
+        if section in reruns:
+            a, b = reruns[section]
+            out.append(f"\nThis section was re-run alone (`--only {section}`); load average "
+                       f"{a:.2f} at its start, {b:.2f} at its end.")
     out.append(
         f"Llama architecture from a config (4 layers, hidden 512, 8 q / 2 kv heads, head_dim 64, "
         f"vocab 8192, float32, block 16); transformers {meta['transformers']}, torch "
@@ -325,6 +334,7 @@ def render(meta, dec, ttft, procs):
         out.append(f"| {r['context'] // 1024}k | {r['batch']} | {ms(r['shmkv']):.2f} ms | "
                    f"{ms(r['dynamic_sdpa']):.2f} ms | {r['ratio']:.2f}× | "
                    f"{ms(r['shmkv_sdpa']):.2f} ms | {a:.2f} / {b:.2f} ms = {x:.2f}× | {tgt} |")
+    rerun("decode")
     out += ["", "### First token", "",
             "| prompt | ShmkvCache cold | ShmkvCache after a hit | hit tokens | ratio | "
             "DynamicCache + sdpa cold | target |", "|---|---|---|---|---|---|---|"]
@@ -332,6 +342,7 @@ def render(meta, dec, ttft, procs):
         out.append(f"| {r['length']} | {ms(r['shmkv_cold']):.1f} ms | {ms(r['shmkv_hit']):.1f} ms"
                    f" | {r['hit_tokens']} | {r['ratio']:.3f}× | {ms(r['dynamic_cold']):.1f} ms | "
                    f"≤ 0.2×: {'PASS' if r['ratio'] <= 0.2 else 'FAIL'} |")
+    rerun("first_token")
     p = procs
     out += ["", f"### {p['processes']} processes, one system prompt", "",
             f"Each process: {p['system']} shared system-prompt tokens + {p['suffix']} of its own, "
@@ -344,10 +355,7 @@ def render(meta, dec, ttft, procs):
         r = p[mode]
         out.append(f"| {label} | {r['kv_bytes'] / 2**20:.1f} MiB | {r['tokens_per_s']:.1f} | "
                    f"{r['wall_s']:.2f} s | {r['hits']} |")
-    if "load_processes_rerun" in meta:
-        a, b = meta["load_processes_rerun"]
-        out.append(f"\nThis section was re-run alone (`--only processes`); load average "
-                   f"{a:.2f} at its start, {b:.2f} at its end.")
+    rerun("processes")
     out.append(f"\nshmkv / DynamicCache: memory {p['memory_ratio']:.2f}×, throughput "
                f"{p['speedup']:.2f}×.")
     return "\n".join(out) + "\n"
@@ -361,7 +369,7 @@ def main(argv=None):
                     help="torch and shmkv kernel threads (default 1: on a shared 2-core "
                          "machine two spinning OpenMP threads make every matmul several "
                          "times slower)")
-    ap.add_argument("--only", choices=["processes"], default=None,
+    ap.add_argument("--only", choices=["decode", "first_token", "processes"], default=None,
                     help="re-run one section, keeping the other numbers of the last run")
     args = ap.parse_args(argv)
     import torch
@@ -376,28 +384,42 @@ def main(argv=None):
     print("load average at the start:", meta["load_start"], flush=True)
     model = make_model("shmkv")
     js = os.path.join(args.out, "transformers.json")
-    if args.only == "processes":           # redo one section, keep the others' numbers
+    sections = {"decode": run_decode, "first_token": run_first_token, "processes": run_processes}
+    if args.only:                          # redo one section, keep the others' numbers
         with open(js) as f:
-            old = json.load(f)
-        procs = procs_case(model, 2, 256 if quick else 1024, 16, 16 if quick else 32)
-        old["meta"]["load_processes_rerun"] = [meta["load_start"][0], os.getloadavg()[0]]
-        old["processes"] = procs
-        with open(js, "w") as f:
-            json.dump(old, f, indent=1)
-        md = os.path.join(args.out if quick else HERE, "RESULTS_transformers.md")
-        with open(md, "w") as f:
-            f.write(render(old["meta"], old["decode"], old["first_token"], procs))
-        print("processes:", procs["shmkv"]["tokens_per_s"], procs["dynamic"]["tokens_per_s"])
-        return
+            data = json.load(f)
+        data[args.only] = sections[args.only](model, quick)
+        data["meta"].setdefault("reruns", {})[args.only] = [meta["load_start"][0],
+                                                             os.getloadavg()[0]]
+    else:
+        data = {"meta": meta}
+        for name, fn in sections.items():
+            data[name] = fn(model, quick)
+        meta["load_end"] = os.getloadavg()
+        print("load average at the end:", meta["load_end"])
+    with open(js, "w") as f:
+        json.dump(data, f, indent=1)
+    md = os.path.join(args.out if quick else HERE, "RESULTS_transformers.md")
+    with open(md, "w") as f:
+        f.write(render(data["meta"], data["decode"], data["first_token"], data["processes"]))
+    print("wrote", md)
+
+
+def run_decode(model, quick):
     contexts = [16, 1024, 2048] if quick else [16, 1024, 2048, 4096, 8192]
     dec = []
+    decode_case(model, 1, 16, reps=5)      # warm-up (first-call costs), discarded
     for batch in (1, 4):
         for ctx in contexts:
-            r = decode_case(model, batch, ctx, reps=5 if quick else 15)
+            r = decode_case(model, batch, ctx, reps=9 if quick else 41)
             print(f"decode b={batch} ctx={ctx}: shmkv {ms(r['shmkv']):.2f} ms, dynamic "
                   f"{ms(r['dynamic_sdpa']):.2f} ms ({r['ratio']:.2f}x), shmkv+sdpa "
                   f"{ms(r['shmkv_sdpa']):.2f} ms", flush=True)
             dec.append(r)
+    return dec
+
+
+def run_first_token(model, quick):
     ttft = []
     for length in ([512] if quick else [1024, 2048]):
         r = ttft_case(model, length, cold_reps=2 if quick else 3, hit_reps=3 if quick else 7)
@@ -405,21 +427,16 @@ def main(argv=None):
               f"{ms(r['shmkv_hit']):.1f} ms ({r['ratio']:.3f}x), dynamic "
               f"{ms(r['dynamic_cold']):.1f} ms", flush=True)
         ttft.append(r)
+    return ttft
+
+
+def run_processes(model, quick):
     procs = procs_case(model, 2, 256 if quick else 1024, 16, 16 if quick else 32)
     print(f"processes: shmkv {procs['shmkv']['tokens_per_s']:.1f} tok/s "
           f"{procs['shmkv']['kv_bytes'] / 2**20:.1f} MiB, dynamic "
           f"{procs['dynamic']['tokens_per_s']:.1f} tok/s "
           f"{procs['dynamic']['kv_bytes'] / 2**20:.1f} MiB", flush=True)
-    meta["load_end"] = os.getloadavg()
-    print("load average at the end:", meta["load_end"])
-    with open(js, "w") as f:
-        json.dump({"meta": meta, "decode": dec, "first_token": ttft, "processes": procs}, f,
-                  indent=1)
-    md = os.path.join(args.out if quick else HERE, "RESULTS_transformers.md")
-    with open(md, "w") as f:
-        f.write(render(meta, dec, ttft, procs))
-    print("wrote", md)
-
+    return procs
 
 if __name__ == "__main__":
     main()
