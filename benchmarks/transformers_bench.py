@@ -76,8 +76,8 @@ def ms(r):
 # ---- decode --------------------------------------------------------------------------------
 def decode_case(model, batch, ctx, reps):
     """ms per decode step at ``ctx`` tokens of context, the three set-ups interleaved step
-    by step.  ``attn_share`` subtracts the same step at a 16-token context (the model's own
-    fixed cost: weights, MLP, lm_head), leaving what the cache and the attention cost."""
+    by step.  The 16-token context shows the model's own cost per step (weights, MLP,
+    lm_head), the same for every cache."""
     import numpy as np
     import torch
     from transformers import DynamicCache
@@ -128,13 +128,6 @@ def decode_case(model, batch, ctx, reps):
         kv.unlink()
     res["ratio"] = ms(res["shmkv"]) / ms(res["dynamic_sdpa"])
     return res
-
-
-def attn_share(r, base):
-    """(shmkv, dynamic) ms above the 16-token step of the same batch, and their ratio."""
-    a = max(ms(r["shmkv"]) - ms(base["shmkv"]), 1e-3)
-    b = max(ms(r["dynamic_sdpa"]) - ms(base["dynamic_sdpa"]), 1e-3)
-    return a, b, a / b
 
 
 # ---- first token ---------------------------------------------------------------------------
@@ -317,23 +310,26 @@ def render(meta, dec, ttft, procs):
         f"Medians. Targets: decode step ≤ 0.5× DynamicCache at 2k and falling further behind "
         f"as the context grows; first token after a prefix hit ≤ 0.2× cold.")
     out += ["", "### Decode step (one token per row)", "",
+            "The whole forward of one step. The 16-token rows are the model's own cost per "
+            "step (reading ~60 MB of float32 weights: MLP, projections, lm_head), the same for "
+            "every cache: it bounds the ratio at short contexts; what the cache and the "
+            "attention add grows with the context, and that is where the two differ. "
+            "*read back*: ShmkvCache under sdpa, whose update returns the whole K/V read from "
+            "the pools through the block tables.", "",
             "| context | batch | ShmkvCache + shmkv | DynamicCache + sdpa | ratio | "
-            "ShmkvCache + sdpa (read back) | above the 16-token step: shmkv / DynamicCache | "
-            "target |",
-            "|---|---|---|---|---|---|---|---|"]
-    base = {r["batch"]: r for r in dec if r["context"] == 16}
+            "ShmkvCache + sdpa (read back) | target |",
+            "|---|---|---|---|---|---|---|"]
     for r in dec:
         if r["context"] == 16:
             out.append(f"| 16 | {r['batch']} | {ms(r['shmkv']):.2f} ms | "
                        f"{ms(r['dynamic_sdpa']):.2f} ms | {r['ratio']:.2f}× | "
-                       f"{ms(r['shmkv_sdpa']):.2f} ms | (the model's fixed cost) | |")
+                       f"{ms(r['shmkv_sdpa']):.2f} ms | (the model's own cost) |")
             continue
-        a, b, x = attn_share(r, base[r["batch"]])
         tgt = "≤ 0.5×: " + ("PASS" if r["ratio"] <= 0.5 else "FAIL") if r["context"] >= 2048 \
             else "(reported)"
         out.append(f"| {r['context'] // 1024}k | {r['batch']} | {ms(r['shmkv']):.2f} ms | "
                    f"{ms(r['dynamic_sdpa']):.2f} ms | {r['ratio']:.2f}× | "
-                   f"{ms(r['shmkv_sdpa']):.2f} ms | {a:.2f} / {b:.2f} ms = {x:.2f}× | {tgt} |")
+                   f"{ms(r['shmkv_sdpa']):.2f} ms | {tgt} |")
     rerun("decode")
     out += ["", "### First token", "",
             "| prompt | ShmkvCache cold | ShmkvCache after a hit | hit tokens | ratio | "
@@ -371,6 +367,8 @@ def main(argv=None):
                          "times slower)")
     ap.add_argument("--only", choices=["decode", "first_token", "processes"], default=None,
                     help="re-run one section, keeping the other numbers of the last run")
+    ap.add_argument("--render", action="store_true",
+                    help="only write the .md again from the last run's JSON")
     args = ap.parse_args(argv)
     import torch
 
@@ -385,7 +383,10 @@ def main(argv=None):
     model = make_model("shmkv")
     js = os.path.join(args.out, "transformers.json")
     sections = {"decode": run_decode, "first_token": run_first_token, "processes": run_processes}
-    if args.only:                          # redo one section, keep the others' numbers
+    if args.render:
+        with open(js) as f:
+            data = json.load(f)
+    elif args.only:                        # redo one section, keep the others' numbers
         with open(js) as f:
             data = json.load(f)
         data[args.only] = sections[args.only](model, quick)
