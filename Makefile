@@ -41,10 +41,12 @@ $(VENV)/.bench: $(DEPS)
 bench: install bench-deps
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/attention_bench.py
+	$(PY) benchmarks/transformers_bench.py
 
 bench-quick: install bench-deps
 	$(PY) benchmarks/run.py --quick
 	$(PY) benchmarks/attention_bench.py --quick
+	$(PY) benchmarks/transformers_bench.py --quick
 
 chaos: install
 	$(PY) tools/chaos
