@@ -425,3 +425,17 @@ def test_sequence_slots_exhausted_by_beams_release_everything(model, make_kv):
                        num_beams=3)
     assert past.sequence_ids == [] and kv.sequences() == []
     settled(kv)
+
+
+def test_mode_full_under_shmkv_is_right_and_mode_is_checked(model, make_kv):
+    model.set_attn_implementation("shmkv")
+    kv = make_kv(model)
+    ids = prompts(2, 7, seed=19)
+    ref = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=4, **GREEDY)
+    with ShmkvCache(kv) as past:
+        past.mode = "full"                      # whole K/V: dense attention, same logits
+        out = model.generate(ids, past_key_values=past, max_new_tokens=4, **GREEDY)
+        with pytest.raises(ValueError, match="mode"):
+            past.mode = "fast"
+    assert torch.equal(out.sequences, ref.sequences) and rel_err(ref, out) < TOL
+    settled(kv)

@@ -235,7 +235,7 @@ class ShmkvCache(Cache):
         self._prompt_row: List[int] = []    # row -> row of prompt_ids
         self._salt = salt
         self._closed = False
-        self.mode: Optional[str] = None     # None: ask the calling module; "paged"/"full"
+        self._mode: Optional[str] = None
         super().__init__(layers=[_ShmkvLayer(self, i) for i in range(self._num_layers)])
         if sequence_ids is not None:
             sids = [int(s) for s in sequence_ids]
@@ -297,6 +297,20 @@ class ShmkvCache(Cache):
         self._rows = sids
         self._len = m
         self._prompt_row = list(range(len(sids)))
+
+    @property
+    def mode(self) -> Optional[str]:
+        """What :meth:`update` returns: ``None`` (default) asks the calling attention
+        module's ``config._attn_implementation`` -- the new K/V for ``"shmkv"``, the whole
+        K/V for any other; ``"paged"`` always the new K/V (only right under ``"shmkv"``);
+        ``"full"`` always the whole K/V (right under every implementation)."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: Optional[str]) -> None:
+        if value not in (None, "paged", "full"):
+            raise ValueError(f"mode: expected None, 'paged' or 'full', got {value!r}")
+        self._mode = value
 
     # ---- what transformers asks ---------------------------------------------------------
     @property
@@ -369,8 +383,8 @@ class ShmkvCache(Cache):
         self._step_layer = layer_idx
         if layer_idx == self._num_layers - 1:
             self._end_step()
-        paged = self.mode == "paged" or (
-            self.mode is None and _caller_attn_implementation() == ATTN_IMPLEMENTATION)
+        paged = self._mode == "paged" or (
+            self._mode is None and _caller_attn_implementation() == ATTN_IMPLEMENTATION)
         if paged:
             _TLS.rec = (self, layer_idx, key_states)
             return key_states, value_states
