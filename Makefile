@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
-SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.h shmkv/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
+SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
 .PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean

@@ -17,7 +17,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import shmkv
-import shmkv.integrations.transformers as hf
+import shmkv.integrations.transformers.attention as hf_attention
 from shmkv.integrations.transformers import ShmkvCache, config_for
 
 TOL = 1e-4
@@ -60,7 +60,7 @@ def paged_only(on=True):
         raise AssertionError("the dense fallback ran")
     with pytest.MonkeyPatch.context() as mp:
         if on:
-            mp.setattr(hf, "_dense_attention", boom)
+            mp.setattr(hf_attention, "_dense_attention", boom)
             mp.setattr(ShmkvCache, "_full_kv", boom)
         yield
 
