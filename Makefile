@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
-SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.h shmkv/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
+SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
 .PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean
@@ -41,10 +41,12 @@ $(VENV)/.bench: $(DEPS)
 bench: install bench-deps
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/attention_bench.py
+	$(PY) benchmarks/transformers_bench.py
 
 bench-quick: install bench-deps
 	$(PY) benchmarks/run.py --quick
 	$(PY) benchmarks/attention_bench.py --quick
+	$(PY) benchmarks/transformers_bench.py --quick
 
 chaos: install
 	$(PY) tools/chaos

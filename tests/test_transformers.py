@@ -17,7 +17,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import shmkv
-import shmkv.integrations.transformers as hf
+import shmkv.integrations.transformers.attention as hf_attention
 from shmkv.integrations.transformers import ShmkvCache, config_for
 
 TOL = 1e-4
@@ -60,7 +60,7 @@ def paged_only(on=True):
         raise AssertionError("the dense fallback ran")
     with pytest.MonkeyPatch.context() as mp:
         if on:
-            mp.setattr(hf, "_dense_attention", boom)
+            mp.setattr(hf_attention, "_dense_attention", boom)
             mp.setattr(ShmkvCache, "_full_kv", boom)
         yield
 
@@ -424,4 +424,18 @@ def test_sequence_slots_exhausted_by_beams_release_everything(model, make_kv):
         model.generate(prompts(2, 6, seed=18), past_key_values=past, max_new_tokens=4,
                        num_beams=3)
     assert past.sequence_ids == [] and kv.sequences() == []
+    settled(kv)
+
+
+def test_mode_full_under_shmkv_is_right_and_mode_is_checked(model, make_kv):
+    model.set_attn_implementation("shmkv")
+    kv = make_kv(model)
+    ids = prompts(2, 7, seed=19)
+    ref = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=4, **GREEDY)
+    with ShmkvCache(kv) as past:
+        past.mode = "full"                      # whole K/V: dense attention, same logits
+        out = model.generate(ids, past_key_values=past, max_new_tokens=4, **GREEDY)
+        with pytest.raises(ValueError, match="mode"):
+            past.mode = "fast"
+    assert torch.equal(out.sequences, ref.sequences) and rel_err(ref, out) < TOL
     settled(kv)

@@ -1,32 +1,5 @@
-"""Hugging Face transformers on a shmkv segment: ``ShmkvCache`` and ``attn_implementation="shmkv"``.
-
-``ShmkvCache`` is a ``transformers.Cache`` whose keys and values live in a shmkv segment:
-one shmkv sequence per batch row, blocks shared copy-on-write between beams, prompts
-shared through the host-wide prefix cache.  Importing this module registers the
-attention function ``"shmkv"`` (``AttentionInterface``) and its mask function
-(``AttentionMaskInterface``: no dense mask is built, only a padding mask is passed on).
-
-How the pieces meet (one forward of ``q_len`` tokens for ``B`` rows):
-
-* ``update(k, v, layer)`` -- layer 0 opens a *step*: each row's sequence is grown by
-  ``reserve(sid, q_len, tokens=...)`` (prompt tokens, when known, so that the blocks
-  they fill are published); every layer then scatters its K/V into those slots with one
-  ``write`` (one copy, ``[B, kv_heads, q_len, dim]`` -> slots); the last layer ``commit``\\ s
-  the prompt blocks.  Under ``"shmkv"`` attention it returns the new K/V only; under any
-  other implementation ("sdpa", "eager", ...) it returns the whole K/V of the rows, read
-  from the pools through the block tables (the one copy such an implementation needs).
-* The ``"shmkv"`` attention function runs ``cache.attention`` straight over the block
-  tables (decode, or causal chunked prefill with ``q_lens``): no gather, no copy of the
-  cache.  A batch with padding (a 2-D mask with zeros) cannot be expressed as plain
-  causal paged attention: it falls back to a dense masked attention over K/V read from
-  the pools (correct, slower).
-* ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` (beam search)
-  map to ``fork`` / ``free``: a row used once keeps its sequence, every further use is a
-  fork (blocks shared copy-on-write), unused rows are freed.
-
-Requires torch and transformers (``pip install "shmkv[transformers]"``); tested with
-transformers 5.23.0 and torch 2.13.0.
-"""
+"""ShmkvCache: the transformers.Cache over a shmkv segment (rows, steps, beams, crop,
+prefix reuse, hand-off).  See the package docstring for how the pieces meet."""
 from __future__ import annotations
 
 import sys
@@ -35,64 +8,17 @@ from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import AttentionMaskInterface
 
-import shmkv
 from shmkv.errors import CacheFullError
 
-from .torch_views import pool_tensors
-
-__all__ = ["ShmkvCache", "config_for", "shmkv_attention_forward", "shmkv_mask",
-           "ATTN_IMPLEMENTATION"]
+from ..torch_views import pool_tensors
 
 #: the name under which the attention function is registered
 ATTN_IMPLEMENTATION = "shmkv"
 
-_TORCH_TO_SHMKV = {torch.float32: "float32", torch.float16: "float16",
-                   torch.bfloat16: "bfloat16"}
 
-
-def _dtype_name(dtype) -> str:
-    if dtype is None:
-        return "float32"
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.replace("torch.", ""), dtype)
-    if dtype in _TORCH_TO_SHMKV:
-        return _TORCH_TO_SHMKV[dtype]
-    raise ValueError(f"dtype: expected torch.float32, float16 or bfloat16, got {dtype}")
-
-
-def config_for(model_config, *, num_blocks: int, block_size: int = 16, max_seqs: int = 256,
-               dtype=None, **kwargs) -> "shmkv.CacheConfig":
-    """A ``shmkv.CacheConfig`` for a transformers model config.
-
-    Reads ``num_hidden_layers``, ``num_key_value_heads`` (default: ``num_attention_heads``)
-    and ``head_dim`` (default: ``hidden_size // num_attention_heads``) from the decoder's
-    text config; ``dtype`` (a torch dtype or a shmkv dtype name) defaults to the model's
-    (``config.dtype``; float32 when unset).  Other keyword arguments go to ``CacheConfig``
-    (``max_seq_len``, ``hash``, ...).
-    """
-    cfg = model_config
-    if hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config(decoder=True)
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    if dtype is None:
-        dtype = getattr(cfg, "dtype", None)
-        name = _dtype_name(dtype)
-    elif isinstance(dtype, str) and dtype in ("float32", "float16", "bfloat16", "int8"):
-        name = dtype
-    else:
-        name = _dtype_name(dtype)
-    return shmkv.CacheConfig(num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads,
-                             head_dim=head_dim, num_blocks=num_blocks, block_size=block_size,
-                             dtype=name, max_seqs=max_seqs, **kwargs)
-
-
-# ---- torch <-> numpy, zero-copy -------------------------------------------------------------
+# ---- torch <-> numpy, zero-copy ---------------------------------------------------------
 def _np(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a contiguous CPU tensor (bfloat16 as ml_dtypes.bfloat16)."""
     if t.dtype == torch.bfloat16:
@@ -235,7 +161,7 @@ class ShmkvCache(Cache):
         self._prompt_row: List[int] = []    # row -> row of prompt_ids
         self._salt = salt
         self._closed = False
-        self.mode: Optional[str] = None     # None: ask the calling module; "paged"/"full"
+        self._mode: Optional[str] = None
         super().__init__(layers=[_ShmkvLayer(self, i) for i in range(self._num_layers)])
         if sequence_ids is not None:
             sids = [int(s) for s in sequence_ids]
@@ -297,6 +223,20 @@ class ShmkvCache(Cache):
         self._rows = sids
         self._len = m
         self._prompt_row = list(range(len(sids)))
+
+    @property
+    def mode(self) -> Optional[str]:
+        """What :meth:`update` returns: ``None`` (default) asks the calling attention
+        module's ``config._attn_implementation`` -- the new K/V for ``"shmkv"``, the whole
+        K/V for any other; ``"paged"`` always the new K/V (only right under ``"shmkv"``);
+        ``"full"`` always the whole K/V (right under every implementation)."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: Optional[str]) -> None:
+        if value not in (None, "paged", "full"):
+            raise ValueError(f"mode: expected None, 'paged' or 'full', got {value!r}")
+        self._mode = value
 
     # ---- what transformers asks ---------------------------------------------------------
     @property
@@ -369,8 +309,8 @@ class ShmkvCache(Cache):
         self._step_layer = layer_idx
         if layer_idx == self._num_layers - 1:
             self._end_step()
-        paged = self.mode == "paged" or (
-            self.mode is None and _caller_attn_implementation() == ATTN_IMPLEMENTATION)
+        paged = self._mode == "paged" or (
+            self._mode is None and _caller_attn_implementation() == ATTN_IMPLEMENTATION)
         if paged:
             _TLS.rec = (self, layer_idx, key_states)
             return key_states, value_states
@@ -627,97 +567,3 @@ class ShmkvCache(Cache):
             self.close()
         except Exception:
             pass
-
-
-# ---- the attention function -------------------------------------------------------------
-def _dense_attention(query, key, value, pad_mask, scaling, causal, sliding_window=None):
-    """softmax(q k^T) v over dense K/V with a boolean mask (padding, causality); the
-    fallback for what plain causal paged attention cannot express.  Returns
-    ``[B, q_len, heads, dim]``."""
-    B, Hq, q, D = query.shape
-    Hk, kvlen = key.shape[1], key.shape[2]
-    if Hq != Hk:
-        rep = Hq // Hk
-        key = key[:, :, None].expand(B, Hk, rep, kvlen, D).reshape(B, Hq, kvlen, D)
-        value = value[:, :, None].expand(B, Hk, rep, kvlen, D).reshape(B, Hq, kvlen, D)
-    mask = torch.ones(B, 1, q, kvlen, dtype=torch.bool, device=query.device)
-    if causal:
-        qpos = torch.arange(q, device=query.device)[:, None] + (kvlen - q)
-        kpos = torch.arange(kvlen, device=query.device)[None, :]
-        mask = mask & (kpos <= qpos)
-        if sliding_window:
-            mask = mask & (kpos > qpos - sliding_window)
-    if pad_mask is not None:
-        mask = mask & pad_mask[:, None, None, -kvlen:].to(torch.bool)
-    # a query that may see nothing (a left pad) attends everywhere instead of giving NaN
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).contiguous()
-
-
-def shmkv_attention_forward(module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask, scaling: Optional[float] = None,
-                            dropout: float = 0.0, **kwargs):
-    """``attn_implementation="shmkv"``: paged attention over the block tables of the
-    ``ShmkvCache`` that produced ``key`` (``query [B, heads, q_len, dim]``; returns
-    ``([B, q_len, heads, dim], None)``)."""
-    rec = getattr(_TLS, "rec", None)
-    _TLS.rec = None
-    if dropout and module.training:
-        raise ValueError("shmkv attention: dropout in training mode is not supported "
-                         "(it is an inference kernel); use attn_implementation='sdpa'")
-    for what in ("softcap", "sinks"):
-        if kwargs.get(what) is not None or getattr(module, what, None) is not None:
-            raise ValueError(f"shmkv attention: attention {what} are not supported; use "
-                             f"attn_implementation='sdpa'")
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    causal = getattr(module, "is_causal", True)
-    pad = attention_mask
-    if pad is not None and pad.ndim == 4:
-        raise ValueError("shmkv attention: a 4-D attention mask is not supported; pass a 2-D "
-                         "padding mask or use attn_implementation='sdpa'")
-    if pad is not None and bool(pad.all()):
-        pad = None
-    if rec is None or rec[2] is not key:
-        # K/V not from a ShmkvCache (no cache, or another Cache class): dense attention
-        return _dense_attention(query, key, value, pad, scaling, causal, window), None
-    cache, layer, _ = rec
-    B, Hq, q, D = query.shape
-    if pad is not None or window or (not causal and q > 1):
-        if cache._prompt is not None and pad is not None:
-            raise ValueError("ShmkvCache(prompt_ids=...): a padded batch cannot be shared "
-                             "through the prefix cache (the positions of its tokens depend on "
-                             "the padding); pass unpadded prompts of equal length")
-        k, v = cache._full_kv(layer, cache._len + cache._step_n, query.dtype)
-        return _dense_attention(query, k, v, pad, scaling, causal, window), None
-    # [B, Hq, q, D] -> rows [B*q, Hq, D] in sequence order (a view in the usual layout)
-    qq = query.detach().transpose(1, 2).reshape(B * q, Hq, D)
-    qdt = qq.dtype
-    if qdt not in (torch.float32, torch.float16) and qdt != cache._torch_dtype:
-        qq = qq.to(torch.float32)
-    qq = qq.contiguous()
-    if qq.device.type != "cpu":
-        qq = qq.cpu()
-    out = torch.empty((B * q, Hq, D), dtype=torch.float32)
-    cache.kv.attention(layer, _np(qq), cache._rows, q_lens=None if q == 1 else [q] * B,
-                       scale=scaling, out=out.numpy())
-    out = out.view(B, q, Hq, D)
-    if out.dtype != query.dtype or out.device != query.device:
-        out = out.to(device=query.device, dtype=query.dtype)
-    return out, None
-
-
-def shmkv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
-               kv_offset: int = 0, mask_function=None, attention_mask=None, **kwargs):
-    """The mask function for ``"shmkv"``: no dense mask (the kernel is causal by
-    construction); a 2-D padding mask is passed on only when it has a zero."""
-    if attention_mask is not None:
-        attention_mask = attention_mask[:, -kv_length:]
-        if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
-            attention_mask = None
-    return attention_mask
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, shmkv_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, shmkv_mask)
