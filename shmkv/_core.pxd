@@ -56,6 +56,8 @@ cdef extern from "kernels/kernels.h" nogil:
     void shmkv_unquiesce_locked(shmkv_ctx_t *c)
     double shmkv_bench_memcpy(uint8_t *dst, const uint8_t *src, uint64_t nbytes,
                               uint64_t span, uint64_t iters, int streaming)
+    double shmkv_bench_rows(shmkv_ctx_t *c, const uint8_t *k, const uint8_t *v,
+                            const int64_t *slots, uint64_t n, uint64_t iters)
     int64_t shmkv_now_ns(int clk)
     void shmkv_count(shmkv_ctx_t *c, int which, uint64_t v)
     void shmkv_count_proc(shmkv_ctx_t *c, int which, uint64_t v)

@@ -2050,6 +2050,34 @@ def bench_memcpy(uint64_t nbytes, uint64_t iters=1000, uint64_t span=0, bint str
     return r
 
 
+def bench_append_rows(Segment cache, k, v, slots, uint64_t iters=1000):
+    """ns per write of one token into every layer's K and V pool at the rows where the
+    paged layout puts ``slots[i % len(slots)]`` -- the layout-matched floor of a decode
+    append (the same 2 * num_layers rows in one strided C copy, no lock, no table).
+    k, v: C-contiguous [num_layers, 1, heads, dim] of the pool's dtype; slots: slot ids the
+    caller owns (e.g. from reserve), written over."""
+    cdef shmkv_ctx_t *c = cache._c()
+    shape = (c.cfg.num_layers, 1, c.cfg.num_kv_heads, c.cfg.head_dim)
+    cdef cnp.ndarray ka = cache._array(k, "k", 4), va = cache._array(v, "v", 4)
+    got = ((<object>ka).shape, (<object>va).shape)
+    if got != (shape, shape):
+        raise ValueError(f"k, v: expected shape {shape}, got {got[0]}, {got[1]}")
+    cdef cnp.ndarray sl = np.ascontiguousarray(slots, dtype=np.int64)
+    cdef int64_t nslots = <int64_t>c.cfg.num_blocks * c.cfg.block_size
+    if sl.ndim != 1 or sl.shape[0] == 0 or sl.min() < 0 or sl.max() >= nslots:
+        raise ValueError(f"slots: expected a non-empty 1-d array of slot ids in [0, {nslots})")
+    if iters == 0:
+        raise ValueError("iters: expected >= 1, got 0")
+    cdef double r
+    cdef const uint8_t *kp = <const uint8_t *>cnp.PyArray_DATA(ka)
+    cdef const uint8_t *vp = <const uint8_t *>cnp.PyArray_DATA(va)
+    cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(sl)
+    cdef uint64_t n = <uint64_t>sl.shape[0]
+    with nogil:
+        r = shmkv_bench_rows(c, kp, vp, sp, n, iters)
+    return r
+
+
 # --------------------------------------------------------------------------------------
 # the ABI, for tools that read raw segment bytes (fuzzers, debuggers): sizes and field
 # offsets straight from the C structs, so no Python constant can drift from _layout.h
