@@ -18,12 +18,13 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
 
 from shmkv._core cimport (shmkv_ctx_t, shmkv_sid_slot, shmkv_table, segment_ctx,
-                          raise_status, lock_seqs, unlock_seqs)
+                          raise_status, lock_seqs, unlock_seqs, bind_debug_state)
 from shmkv._layout cimport *
 
 from .errors import SegmentError, SequenceNotFound
 
 cnp.import_array()
+bind_debug_state()     # it compiles the kernels too: their switches are _core's
 
 cdef extern from "kernels/attention.h" nogil:
     enum:

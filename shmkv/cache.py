@@ -1,19 +1,21 @@
 """KVCache: the public handle of a shmkv segment.
 
 The methods on the decode loop's path (append, reserve, write, gather, fork, free, ...)
-are implemented in Cython by ``_core.Segment`` and inherited here, so a call costs one
-Python-to-C transition; this module adds the constructors and the context manager.
+are implemented in Cython by the method chain ``_core.Segment`` <- ``_inspect.InspectOps``
+<- ``_prefix.PrefixOps`` <- ``_sequences.SequenceOps`` <- ``_kvdata.DataOps`` and inherited
+here, so a call costs one Python-to-C transition; this module adds the constructors, the
+context manager and the attention entry point.
 """
 from __future__ import annotations
 
 from . import _attention
-from ._core import Segment
+from ._kvdata import DataOps
 from .config import CacheConfig
 
 __all__ = ["KVCache"]
 
 
-class KVCache(Segment):
+class KVCache(DataOps):
     """A paged KV cache in one POSIX shared-memory segment.
 
     Every process that attaches the same name shares one block pool, one free list,
@@ -93,7 +95,7 @@ class KVCache(Segment):
         """A ``(k_out, v_out)`` pair for ``gather(sid, start, start + n_tokens,
         out=...)``, page-aligned like the pools: numpy's own large arrays start 16 bytes
         past a page boundary, which costs the copy about 1.7x through 4K aliasing."""
-        from ._core import empty_gather_buffers
+        from ._kvdata import empty_gather_buffers
 
         return empty_gather_buffers(self, n_tokens)
 
