@@ -8,9 +8,15 @@ context manager and the attention entry point.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Tuple
+
 from . import _attention
 from ._kvdata import DataOps
 from .config import CacheConfig
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["KVCache"]
 
@@ -91,7 +97,7 @@ class KVCache(DataOps):
                     f"expected {config}")
             return cache
 
-    def gather_buffers(self, n_tokens: int):
+    def gather_buffers(self, n_tokens: int) -> Tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """A ``(k_out, v_out)`` pair for ``gather(sid, start, start + n_tokens,
         out=...)``, page-aligned like the pools: numpy's own large arrays start 16 bytes
         past a page boundary, which costs the copy about 1.7x through 4K aliasing."""
@@ -99,7 +105,11 @@ class KVCache(DataOps):
 
         return empty_gather_buffers(self, n_tokens)
 
-    def attention(self, layer, q, sids, *, q_lens=None, scale=None, out=None):
+    def attention(self, layer: int, q: npt.NDArray[Any],
+                  sids: Iterable[int | np.integer[Any]] | npt.NDArray[np.integer[Any]], *,
+                  q_lens: Optional[Iterable[int] | npt.NDArray[np.integer[Any]]] = None,
+                  scale: Optional[float] = None,
+                  out: Optional[npt.NDArray[np.float32]] = None) -> npt.NDArray[np.float32]:
         """Paged attention over the block tables of ``sids``, for one layer.
 
         ``softmax(q . k^T * scale) . v`` per query head, read straight from the pools (no
@@ -151,7 +161,7 @@ class KVCache(DataOps):
     def __enter__(self) -> "KVCache":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
