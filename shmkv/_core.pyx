@@ -549,16 +549,12 @@ def set_crash_point(name, long countdown=1):
     named point, the process calls _exit(86) right there.  None disarms.  For the chaos
     harness; see CRASH_POINTS.  Also armed from the environment at import:
     SHMKV_CRASH_POINT=name[:countdown]."""
-    cdef shmkv_dbg_t *d = debug_state()
-    if name is None:
-        d.crash_id = 0
-        return
-    if name not in CRASH_POINTS:
-        raise ValueError(f"crash point: expected one of {CRASH_POINTS}, got {name!r}")
-    if countdown < 1:
+    cdef int i = _switch(name, CRASH_POINTS, "crash point")
+    if i and countdown < 1:
         raise ValueError(f"countdown: expected >= 1, got {countdown}")
-    d.crash_countdown = countdown
-    d.crash_id = CRASH_POINTS.index(name) + 1
+    if i:
+        debug_state().crash_countdown = countdown
+    debug_state().crash_id = i
 
 
 PLANTED_BUGS = ("no_recovery", "early_publish", "no_cow", "leak_on_free")
@@ -570,13 +566,16 @@ def plant_bug(name):
     before the data is copied), 'no_cow' (a shared partial block is written in place),
     'leak_on_free' (free keeps one block).  None removes it.  Also read from the
     environment at import: SHMKV_PLANT=name."""
-    cdef shmkv_dbg_t *d = debug_state()
+    debug_state().plant = _switch(name, PLANTED_BUGS, "planted bug")
+
+
+cdef int _switch(object name, tuple names, str what) except -1:
+    """A switch's value: 0 for None, 1 + the index of a known name; ValueError else."""
     if name is None:
-        d.plant = 0
-        return
-    if name not in PLANTED_BUGS:
-        raise ValueError(f"planted bug: expected one of {PLANTED_BUGS}, got {name!r}")
-    d.plant = PLANTED_BUGS.index(name) + 1
+        return 0
+    if name not in names:
+        raise ValueError(f"{what}: expected one of {names}, got {name!r}")
+    return names.index(name) + 1
 
 
 def _arm_from_env():

@@ -473,9 +473,75 @@ def bench_memcpy(uint64_t nbytes, uint64_t iters=1000, uint64_t span=0, bint str
 # the ABI, for tools that read raw segment bytes (fuzzers, debuggers): sizes and field
 # offsets straight from the C structs, so no Python constant can drift from _layout.h
 # --------------------------------------------------------------------------------------
-cdef dict _fields(const char *base, list spec):
-    cdef size_t b0 = <size_t>base
-    return {name: (addr - b0, fmt) for name, addr, fmt in spec}
+cdef extern from *:
+    """
+    #include <stddef.h>
+    /* the fields of the segment structs: each name once, its offset from C itself */
+    typedef struct { const char *name; size_t off; const char *fmt; } shmkv_field_t;
+    #define SHMKV_FH(f, t) { #f, offsetof(shmkv_header_t, f), t }
+    #define SHMKV_FS(f, t) { #f, offsetof(shmkv_shared_t, f), t }
+    #define SHMKV_FQ(f, t) { #f, offsetof(shmkv_seq_t, f), t }
+    #define SHMKV_FP(f, t) { #f, offsetof(shmkv_proc_t, f), t }
+    #define SHMKV_FB(f, t) { #f, offsetof(shmkv_block_t, f), t }
+    #define SHMKV_FI(f, t) { #f, offsetof(shmkv_index_t, f), t }
+    static const shmkv_field_t SHMKV_HEADER_FIELDS[] = {
+        SHMKV_FH(magic, "Q"), SHMKV_FH(layout_version, "I"), SHMKV_FH(header_size, "I"),
+        SHMKV_FH(abi_fingerprint, "Q"), SHMKV_FH(segment_size, "Q"), SHMKV_FH(config, "I"),
+        SHMKV_FH(layout, "Q"), SHMKV_FH(creator_pid, "Q"), SHMKV_FH(create_time_ns, "Q"),
+        SHMKV_FH(hash_seed, "Q"), SHMKV_FH(checksum, "Q"), {0} };
+    static const shmkv_field_t SHMKV_SHARED_FIELDS[] = {
+        SHMKV_FS(state, "I"), SHMKV_FS(pool_lock, "B"), SHMKV_FS(free_top, "I"),
+        SHMKV_FS(cached_count, "I"), SHMKV_FS(lru_head, "I"), SHMKV_FS(lru_tail, "I"),
+        SHMKV_FS(seq_free_top, "I"), SHMKV_FS(num_procs, "I"), SHMKV_FS(peak_used, "I"),
+        SHMKV_FS(index_used, "I"), SHMKV_FS(index_tombs, "I"), SHMKV_FS(lru_clock, "Q"),
+        SHMKV_FS(last_recovery_ns, "Q"), SHMKV_FS(max_recovery_ns, "Q"),
+        SHMKV_FS(counters, "Q"), {0} };
+    static const shmkv_field_t SHMKV_SEQ_FIELDS[] = {
+        SHMKV_FQ(state, "I"), SHMKV_FQ(gen, "I"), SHMKV_FQ(owner, "Q"), SHMKV_FQ(writer, "Q"),
+        SHMKV_FQ(len, "I"), SHMKV_FQ(nblocks, "I"), SHMKV_FQ(hashed, "I"),
+        SHMKV_FQ(priority, "I"), SHMKV_FQ(last_access_ns, "Q"), SHMKV_FQ(access_count, "Q"),
+        SHMKV_FQ(created_ns, "Q"), SHMKV_FQ(flags, "I"), SHMKV_FQ(hash_ready, "I"),
+        SHMKV_FQ(salt, "Q"), SHMKV_FQ(trimmed, "I"), SHMKV_FQ(trim_s, "I"),
+        SHMKV_FQ(trim_d, "I"), SHMKV_FQ(trim_k, "I"), SHMKV_FQ(trim_chunk, "I"),
+        SHMKV_FQ(trim_len, "I"), SHMKV_FQ(trim_trimmed, "I"), {0} };
+    static const shmkv_field_t SHMKV_PROC_FIELDS[] = {
+        SHMKV_FP(state, "I"), SHMKV_FP(gen, "I"), SHMKV_FP(pid, "Q"), SHMKV_FP(pid_start, "Q"),
+        SHMKV_FP(attach_time_ns, "Q"), SHMKV_FP(inflight, "I"), SHMKV_FP(counters, "Q"),
+        SHMKV_FP(cache_lock, "Q"), SHMKV_FP(cache_nblocks, "I"), SHMKV_FP(cache_nseqs, "I"),
+        SHMKV_FP(cache_blocks, "I"), SHMKV_FP(cache_seqs, "I"), {0} };
+    static const shmkv_field_t SHMKV_BLOCK_FIELDS[] = {
+        SHMKV_FB(ref_cnt, "I"), SHMKV_FB(flags, "I"), SHMKV_FB(lru_prev, "I"),
+        SHMKV_FB(lru_next, "I"), SHMKV_FB(hash, "Q"), SHMKV_FB(last_access, "Q"),
+        SHMKV_FB(num_tokens, "I"), {0} };
+    static const shmkv_field_t SHMKV_INDEX_FIELDS[] = {
+        SHMKV_FI(hash, "Q"), SHMKV_FI(block, "I"), {0} };
+    #undef SHMKV_FH
+    #undef SHMKV_FS
+    #undef SHMKV_FQ
+    #undef SHMKV_FP
+    #undef SHMKV_FB
+    #undef SHMKV_FI
+    """
+    ctypedef struct shmkv_field_t:
+        const char *name
+        size_t off
+        const char *fmt
+    const shmkv_field_t SHMKV_HEADER_FIELDS[]
+    const shmkv_field_t SHMKV_SHARED_FIELDS[]
+    const shmkv_field_t SHMKV_SEQ_FIELDS[]
+    const shmkv_field_t SHMKV_PROC_FIELDS[]
+    const shmkv_field_t SHMKV_BLOCK_FIELDS[]
+    const shmkv_field_t SHMKV_INDEX_FIELDS[]
+
+
+cdef dict _fields(const shmkv_field_t *f, size_t base):
+    """{name: (base + offset, struct format)} of a {0}-terminated field table."""
+    cdef size_t i = 0
+    d = {}
+    while f[i].name != NULL:
+        d[f[i].name.decode()] = (base + f[i].off, f[i].fmt.decode())
+        i += 1
+    return d
 
 
 def struct_layout():
@@ -487,14 +553,7 @@ def struct_layout():
     array fields give the offset of element 0.  ``config`` and ``layout`` name the
     header sub-structs' fields in order.
     """
-    cdef shmkv_header_t h
     cdef shmkv_shared_t sh
-    cdef shmkv_seq_t q
-    cdef shmkv_proc_t p
-    cdef shmkv_block_t b
-    cdef shmkv_index_t e
-    cdef const char *hb = <const char *>&h
-    cdef size_t shoff = SHMKV_SHARED_OFFSET
     cfg_names = ["num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks",
                  "max_seqs", "max_blocks_per_seq", "max_procs", "dtype", "itemsize",
                  "hash_algo", "_reserved"]
@@ -502,54 +561,12 @@ def struct_layout():
                  "off_blocks", "off_free", "off_procs", "off_seqs", "off_seq_free",
                  "off_tables", "off_tokens", "off_index", "off_kpool", "off_vpool",
                  "segment_size"]
-    header = _fields(hb, [
-        ("magic", <size_t>&h.magic, "Q"), ("layout_version", <size_t>&h.layout_version, "I"),
-        ("header_size", <size_t>&h.header_size, "I"),
-        ("abi_fingerprint", <size_t>&h.abi_fingerprint, "Q"),
-        ("segment_size", <size_t>&h.segment_size, "Q"), ("config", <size_t>&h.config, "I"),
-        ("layout", <size_t>&h.layout, "Q"), ("creator_pid", <size_t>&h.creator_pid, "Q"),
-        ("create_time_ns", <size_t>&h.create_time_ns, "Q"),
-        ("hash_seed", <size_t>&h.hash_seed, "Q"), ("checksum", <size_t>&h.checksum, "Q")])
-    shared = {k: (v[0] + shoff, v[1]) for k, v in _fields(<const char *>&sh, [
-        ("state", <size_t>&sh.state, "I"), ("pool_lock", <size_t>&sh.pool_lock, "B"),
-        ("free_top", <size_t>&sh.free_top, "I"), ("cached_count", <size_t>&sh.cached_count, "I"),
-        ("lru_head", <size_t>&sh.lru_head, "I"), ("lru_tail", <size_t>&sh.lru_tail, "I"),
-        ("seq_free_top", <size_t>&sh.seq_free_top, "I"),
-        ("num_procs", <size_t>&sh.num_procs, "I"), ("peak_used", <size_t>&sh.peak_used, "I"),
-        ("index_used", <size_t>&sh.index_used, "I"), ("index_tombs", <size_t>&sh.index_tombs, "I"),
-        ("lru_clock", <size_t>&sh.lru_clock, "Q"),
-        ("last_recovery_ns", <size_t>&sh.last_recovery_ns, "Q"),
-        ("max_recovery_ns", <size_t>&sh.max_recovery_ns, "Q"),
-        ("counters", <size_t>&sh.counters[0], "Q")]).items()}
-    seq = _fields(<const char *>&q, [
-        ("state", <size_t>&q.state, "I"), ("gen", <size_t>&q.gen, "I"),
-        ("owner", <size_t>&q.owner, "Q"), ("writer", <size_t>&q.writer, "Q"),
-        ("len", <size_t>&q.len, "I"), ("nblocks", <size_t>&q.nblocks, "I"),
-        ("hashed", <size_t>&q.hashed, "I"), ("priority", <size_t>&q.priority, "I"),
-        ("last_access_ns", <size_t>&q.last_access_ns, "Q"),
-        ("access_count", <size_t>&q.access_count, "Q"), ("created_ns", <size_t>&q.created_ns, "Q"),
-        ("flags", <size_t>&q.flags, "I"), ("hash_ready", <size_t>&q.hash_ready, "I"),
-        ("salt", <size_t>&q.salt[0], "Q"), ("trimmed", <size_t>&q.trimmed, "I"),
-        ("trim_s", <size_t>&q.trim_s, "I"), ("trim_d", <size_t>&q.trim_d, "I"),
-        ("trim_k", <size_t>&q.trim_k, "I"), ("trim_chunk", <size_t>&q.trim_chunk, "I"),
-        ("trim_len", <size_t>&q.trim_len, "I"), ("trim_trimmed", <size_t>&q.trim_trimmed, "I")])
-    proc = _fields(<const char *>&p, [
-        ("state", <size_t>&p.state, "I"), ("gen", <size_t>&p.gen, "I"),
-        ("pid", <size_t>&p.pid, "Q"), ("pid_start", <size_t>&p.pid_start, "Q"),
-        ("attach_time_ns", <size_t>&p.attach_time_ns, "Q"),
-        ("inflight", <size_t>&p.inflight[0], "I"), ("counters", <size_t>&p.counters[0], "Q"),
-        ("cache_lock", <size_t>&p.cache_lock, "Q"),
-        ("cache_nblocks", <size_t>&p.cache_nblocks, "I"),
-        ("cache_nseqs", <size_t>&p.cache_nseqs, "I"),
-        ("cache_blocks", <size_t>&p.cache_blocks[0], "I"),
-        ("cache_seqs", <size_t>&p.cache_seqs[0], "I")])
-    block = _fields(<const char *>&b, [
-        ("ref_cnt", <size_t>&b.ref_cnt, "I"), ("flags", <size_t>&b.flags, "I"),
-        ("lru_prev", <size_t>&b.lru_prev, "I"), ("lru_next", <size_t>&b.lru_next, "I"),
-        ("hash", <size_t>&b.hash[0], "Q"), ("last_access", <size_t>&b.last_access, "Q"),
-        ("num_tokens", <size_t>&b.num_tokens, "I")])
-    index = _fields(<const char *>&e, [
-        ("hash", <size_t>&e.hash[0], "Q"), ("block", <size_t>&e.block, "I")])
+    header = _fields(SHMKV_HEADER_FIELDS, 0)
+    shared = _fields(SHMKV_SHARED_FIELDS, SHMKV_SHARED_OFFSET)
+    seq = _fields(SHMKV_SEQ_FIELDS, 0)
+    proc = _fields(SHMKV_PROC_FIELDS, 0)
+    block = _fields(SHMKV_BLOCK_FIELDS, 0)
+    index = _fields(SHMKV_INDEX_FIELDS, 0)
     return dict(
         header=dict(size=sizeof(shmkv_header_t), fields=header),
         shared=dict(size=sizeof(shmkv_shared_t), fields=shared,
