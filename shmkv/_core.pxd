@@ -180,8 +180,6 @@ cdef int raise_status(int st, str what) except -1
 cdef object cfg_object(const shmkv_config_t *c)
 cdef dict layout_dict(const shmkv_layout_t *l)
 cdef int64_t sid_arg(object sid) except? -2
-cdef int token_range(object start, object stop, int64_t L, int64_t s, int64_t *a,
-                     int64_t *b) except -1
 cdef int lock_seqs(shmkv_ctx_t *c, const int64_t *sids, Py_ssize_t n,
                    uint32_t *slots, uint32_t *lens) except -1
 cdef void unlock_seqs(shmkv_ctx_t *c, const uint32_t *slots, Py_ssize_t n) noexcept

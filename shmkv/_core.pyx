@@ -411,7 +411,7 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
 
 
 # --------------------------------------------------------------------------------------
-# Segment: the handle.  KVCache (cache.py) subclasses it.
+# Segment: the base of the handle's method chain (see _core.pxd); KVCache ends it
 # --------------------------------------------------------------------------------------
 cdef class Segment:
     def __cinit__(self):
@@ -507,32 +507,6 @@ cdef class Segment:
                 except BaseException:
                     pass
 
-
-    # ---- internals for tests and tools --------------------------------------------------
-    def _debug_info(self):
-        cdef shmkv_ctx_t *c = ctx_of(self)
-        return dict(proc_slot=c.proc_slot, proc_token=c.proc_token,
-                    layout=layout_dict(&c.lay), hash_seed=c.hdr.hash_seed,
-                    creator_pid=c.hdr.creator_pid, create_time_ns=c.hdr.create_time_ns)
-
-cdef int token_range(object start, object stop, int64_t L, int64_t s, int64_t *a,
-                     int64_t *b) except -1:
-    """[start, stop) of a sequence of length L, None meaning its ends."""
-    a[0] = 0 if start is None else _token_index(start, "start")
-    b[0] = L if stop is None else _token_index(stop, "stop")
-    if not (0 <= a[0] <= b[0] <= L):
-        raise IndexError(
-            f"token range: expected 0 <= start <= stop <= {L} (sequence {s} length), "
-            f"got [{a[0]}, {b[0]})")
-    return 0
-
-
-cdef int64_t _token_index(object x, str what) except? -1:
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-        raise TypeError(f"{what}: expected int, got {type(x).__name__}")
-    if x < 0 or x > 0xffffffff:
-        raise IndexError(f"{what}: expected a token index >= 0, got {x}")
-    return <int64_t>x
 
 
 # --------------------------------------------------------------------------------------

@@ -117,6 +117,13 @@ cdef class InspectOps(Segment):
         finally:
             shmkv_pool_unlock(c)
 
+    # ---- internals for tests and tools --------------------------------------------------
+    def _debug_info(self):
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        return dict(proc_slot=c.proc_slot, proc_token=c.proc_token,
+                    layout=layout_dict(&c.lay), hash_seed=c.hdr.hash_seed,
+                    creator_pid=c.hdr.creator_pid, create_time_ns=c.hdr.create_time_ns)
+
 
 cdef list _check_ids(list bad, str what, const uint32_t *ids, uint32_t n, uint32_t cap,
                      uint32_t limit, uint8_t *mark):

@@ -20,7 +20,7 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
 
 from shmkv._core cimport *
 from shmkv._sequences cimport SequenceOps
-from shmkv._prefix cimport as_ids
+from shmkv._prefix cimport as_ids, token_range
 
 from .errors import CacheFullError
 

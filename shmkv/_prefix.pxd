@@ -1,6 +1,6 @@
 # shmkv._prefix: the prefix-cache link of the method chain, and the helpers the sequence
 # methods above it share (a prompt's block-hash chain, hashing filled blocks, argument
-# checks of token ids and salts).
+# checks of token ids, token ranges and salts).
 cimport numpy as cnp
 from libc.stdint cimport uint32_t, uint64_t, int64_t
 
@@ -15,3 +15,5 @@ cdef class PrefixOps(InspectOps):
 
 cdef cnp.ndarray as_ids(object tokens, int64_t n)
 cdef int salt_digest(object salt, uint64_t *out) except -1
+cdef int token_range(object start, object stop, int64_t L, int64_t s, int64_t *a,
+                     int64_t *b) except -1

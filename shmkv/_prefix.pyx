@@ -78,6 +78,26 @@ cdef tuple _sha_block(uint64_t seed, bytes parent, const uint64_t *extra, bytes 
     return (h0, h1)
 
 
+cdef int token_range(object start, object stop, int64_t L, int64_t s, int64_t *a,
+                     int64_t *b) except -1:
+    """[start, stop) of a sequence of length L, None meaning its ends."""
+    a[0] = 0 if start is None else _token_index(start, "start")
+    b[0] = L if stop is None else _token_index(stop, "stop")
+    if not (0 <= a[0] <= b[0] <= L):
+        raise IndexError(
+            f"token range: expected 0 <= start <= stop <= {L} (sequence {s} length), "
+            f"got [{a[0]}, {b[0]})")
+    return 0
+
+
+cdef int64_t _token_index(object x, str what) except? -1:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{what}: expected int, got {type(x).__name__}")
+    if x < 0 or x > 0xffffffff:
+        raise IndexError(f"{what}: expected a token index >= 0, got {x}")
+    return <int64_t>x
+
+
 cdef int64_t _count_arg(object x, str what) except -1:
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
         raise TypeError(f"{what}: expected int, got {type(x).__name__}")
