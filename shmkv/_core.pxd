@@ -158,7 +158,7 @@ cdef class _Attachment:
 
 
 cdef class Segment:
-    """The base of the handle's class chain (see DEVELOP.md): lifetime and the pools."""
+    """The base of the handle's method chain (see DEVELOP.md): its lifetime."""
     cdef _Attachment _att
     cdef shmkv_ctx_t *ctx
     cdef readonly object name
