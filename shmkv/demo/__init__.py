@@ -47,11 +47,11 @@ def build_parser(prog: str = "shmkv demo") -> argparse.ArgumentParser:
                    help="worker processes, the prefill worker included (default 4; "
                         "--quick 3; at least 3)")
     p.add_argument("--conversations", type=int, default=None,
-                   help="chat conversations in the stream (default 48; --quick 6)")
+                   help="chat conversations in the stream (default 40; --quick 6)")
     p.add_argument("--turns", type=int, default=None,
                    help="most turns per conversation (default 5; --quick 3)")
     p.add_argument("--max-new", type=int, default=None,
-                   help="most tokens generated per request (default 40; --quick 16)")
+                   help="most tokens generated per request (default 32; --quick 16)")
     p.add_argument("--num-blocks", type=int, default=1024,
                    help="blocks in the pool (default 1024 x 16 tokens)")
     p.add_argument("--no-kill", action="store_true", help="do not SIGKILL a worker")

@@ -25,7 +25,7 @@ from .model import build_model, llama_config, make_traffic
 from .workers import worker_main
 
 PRESETS = {  # conversations, most turns, most new tokens, workers
-    "full": (48, 5, 40, 4),
+    "full": (40, 5, 32, 4),
     "quick": (6, 3, 16, 3),
 }
 
