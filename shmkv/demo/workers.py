@@ -64,6 +64,11 @@ def worker_main(name: str, wid: int, conn, threads: int = 1) -> None:
     shmkv.set_num_threads(threads)
     model = build_model(attn="shmkv")
     kv = shmkv.KVCache.attach(name)
+    # one short generation before saying ready, so that no request's time to first token
+    # pays this process's first-call costs; no prompt_ids: it publishes nothing
+    warm = torch.arange(3, 35).unsqueeze(0)
+    with ShmkvCache(kv) as past, torch.no_grad():
+        model.generate(warm, past_key_values=past, **gen_kwargs("plain", 2, warm))
     conn.send(("ready", os.getpid()))
     try:
         while True:
