@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
-SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
+SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
 .PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean
@@ -54,12 +54,18 @@ chaos: install
 fuzz: install
 	$(PY) tools/fuzz_attach.py
 
-lint: $(DEPS)
-	$(PIP) install -q ruff
+# ruff; Cython with warnings as errors; mypy --strict on a user's script over the whole
+# API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
+STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._kvdata shmkv._attention
+
+lint: install
+	$(PIP) install -q ruff "mypy>=1.18"
 	$(VENV)/bin/ruff check shmkv tests benchmarks tools
 	: > /tmp/shmkv-lint.log
 	for f in shmkv/*.pyx; do $(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I shmkv -o /tmp/shmkv-lint.c $$f 2>&1 | tee -a /tmp/shmkv-lint.log; done
 	! grep -qiE 'warning|performance hint' /tmp/shmkv-lint.log
+	$(VENV)/bin/mypy --strict tests/typecheck/api_usage.py
+	cd /tmp && $(abspath $(PY)) -m mypy.stubtest --allowlist $(abspath tests/typecheck/stubtest_allowlist.txt) $(STUBBED)
 
 # The whole suite against a debug build: C asserts, SHMKV_DEBUG blocks, bounds checks.
 debug: $(DEPS)

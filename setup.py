@@ -1,10 +1,14 @@
-"""Build of the shmkv extension.
+"""Build of the shmkv extensions.
 
-Two extensions: ``shmkv._core``, the Cython class over the mapped segment with the C
-kernels of ``kernels/*.h`` compiled into it, and ``shmkv._attention``, the paged-attention
-kernel (``kernels/attention.c``) with its wrapper, which reaches the segment through the C
-API that ``_core.pxd`` declares.  ``SHMKV_DEBUG=1`` builds the debug variant:
-C asserts and the ``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
+One extension per Cython module.  ``shmkv._core`` is the handle's base (mapping,
+attachment, Segment, the status translator, the crash-point switches, a C API in
+``_core.pxd``); ``_inspect``, ``_prefix``, ``_sequences`` and ``_kvdata`` are the links of
+the method chain that ``KVCache`` ends, each a ``cdef class`` subclassing the one below
+it across modules (declared in its ``.pxd``).  Each of them compiles the static C kernels
+of ``kernels/*.h`` (through ``_core.pxd``) and binds their debug switches to ``_core``'s
+at import.  ``shmkv._attention`` is the paged-attention kernel (``kernels/attention.c``)
+with its wrapper.  ``SHMKV_DEBUG=1`` builds the debug variant: C asserts and the
+``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
 """
 import glob
 import os
@@ -31,16 +35,26 @@ if DEBUG:
 else:
     cflags += ["-O2", "-DNDEBUG"]
 
-core = Extension(
-    "shmkv._core",
-    sources=["shmkv/_core.pyx"],
-    include_dirs=["shmkv", numpy.get_include()],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    extra_compile_args=cflags,
-    libraries=["rt", "pthread"],
-    depends=(["shmkv/_layout.h", "shmkv/_layout.pxd", "shmkv/_core.pxd"]
-             + sorted(h for h in glob.glob("shmkv/kernels/*.h") if "attention" not in h)),
-)
+KERNELS = sorted(h for h in glob.glob("shmkv/kernels/*.h") if "attention" not in h)
+PXD = ["shmkv/_layout.pxd", "shmkv/_core.pxd"]
+
+# the handle's base first, then the method chain bottom-up (each .pxd cimports the one below)
+CHAIN = [("_core", []), ("_inspect", ["_inspect"]), ("_prefix", ["_inspect", "_prefix"]),
+         ("_sequences", ["_inspect", "_prefix", "_sequences"]),
+         ("_kvdata", ["_inspect", "_prefix", "_sequences"])]
+
+
+def _module(name, pxds):
+    return Extension(
+        f"shmkv.{name}",
+        sources=[f"shmkv/{name}.pyx"],
+        include_dirs=["shmkv", numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=cflags,
+        libraries=["rt", "pthread"],
+        depends=["shmkv/_layout.h"] + PXD + [f"shmkv/{p}.pxd" for p in pxds] + KERNELS,
+    )
+
 
 # paged attention: its own module and C file; it reaches the segment through _core's C API
 attention = Extension(
@@ -50,8 +64,8 @@ attention = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=cflags,
     libraries=["m", "pthread"],
-    depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h", "shmkv/_core.pxd"],
+    depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h"] + PXD,
 )
 
-setup(ext_modules=cythonize([core, attention], compiler_directives=directives,
-                            gdb_debug=False, annotate=False))
+setup(ext_modules=cythonize([_module(n, p) for n, p in CHAIN] + [attention],
+                            compiler_directives=directives, gdb_debug=False, annotate=False))

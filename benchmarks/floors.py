@@ -14,6 +14,13 @@ set as the op), and *cold* (span well past the last-level cache).  For copies of
 least 8 MiB per array, which shmkv makes with streaming (non-temporal) stores, the same
 matched span once more with ``bench_memcpy(..., streaming=True)``: the floor of that way
 of copying (no read of the destination before it is written).
+
+For the decode append, a fourth floor that the contiguous memcpy cannot give: the
+*layout-matched rows* (:func:`layout_rows`) -- the same 2 * num_layers rows of one token
+written where the paged layout puts them (one row per layer and K/V pool, each in its own
+pool), in one strided C copy over the same slots a sample fills, with no lock, table or
+bookkeeping.  The contiguous memcpy of the same bytes is one stream; the rows are 64
+(Llama) separate destinations a layer stride apart, which is what the op must do.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from shmkv import _core
 
 COLD_SPAN = 256 << 20
 FLOOR_AFTER = "memcpy matched, after shmkv"
+LAYOUT_ROWS = "layout-matched rows"
 
 
 def llc_bytes() -> int:
@@ -159,3 +167,26 @@ def matched_again(cfg_name, wl, ops, budget, progress) -> list:
         progress.result(r)
     return out
 
+
+
+def layout_rows(cfg_name, cache, wl, budget, progress, calls: int) -> list:
+    """The layout-matched floor of ``append1``: ``_core.bench_append_rows`` writes wl.k1 /
+    wl.v1 (one token, every layer) into the K and V pools at the slots of `calls` tokens
+    reserved from a sequence of `cache` (the blocks a sample of append1 fills), cycling."""
+    progress.step(f"{cfg_name}/floor/append1: {LAYOUT_ROWS}")
+    sid = cache.create_sequence()
+    try:
+        slots = cache.reserve(sid, calls)
+
+        def run(_s, n):
+            _core.bench_append_rows(cache, wl.k1, wl.v1, slots, n)
+        stats = measure(run, calls=calls, repeat=budget.repeat, min_repeat=budget.min_repeat,
+                        max_seconds=budget.max_seconds, target_sample_ns=budget.sample_ns)
+    finally:
+        cache.free(sid)
+    r = record("ops", "append1", cfg_name, LAYOUT_ROWS, stats, kind="floor",
+               nbytes=wl.nbytes("append1"), working_set=wl.working_set("append1"),
+               note=f"{2 * wl.cfg.num_layers} rows of {wl.cfg.bytes_per_token // (2 * wl.cfg.num_layers)} B "
+                    "where the paged layout puts them, one strided C copy per token")
+    progress.result(r)
+    return [r]

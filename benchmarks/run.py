@@ -205,6 +205,8 @@ def bench_shmkv(cfg_name, cfg, ops, wl, budget, progress):
         suite.verify(cache, cfg, wl)
         out += suite.run_ops(cache, "shmkv", cfg_name, cfg, wl, budget, progress, ops)
         out += floors.matched_again(cfg_name, wl, ops, budget, progress)
+        if "append1" in ops:
+            out += floors.layout_rows(cfg_name, cache, wl, budget, progress, suite.APPEND_CALLS)
         # kernel-only: block alloc+free with no Python in the loop
         for shared, impl, note in (
                 (False, "shmkv kernel alloc+free", "bench_alloc_free: one block alloc+free "

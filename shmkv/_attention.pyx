@@ -18,12 +18,13 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
 
 from shmkv._core cimport (shmkv_ctx_t, shmkv_sid_slot, shmkv_table, segment_ctx,
-                          raise_status, lock_seqs, unlock_seqs)
+                          raise_status, lock_seqs, unlock_seqs, bind_debug_state)
 from shmkv._layout cimport *
 
 from .errors import SegmentError, SequenceNotFound
 
 cnp.import_array()
+bind_debug_state()     # it compiles the kernels too: their switches are _core's
 
 cdef extern from "kernels/attention.h" nogil:
     enum:
@@ -157,14 +158,14 @@ def attention(cache, layer, q, sids, q_lens=None, scale=None, out=None):
                          f"{hq}")
     if rows < 1:
         raise ValueError(f"q: expected at least one row, got shape {q.shape}")
-    sa = _as_sids(sids)
+    sa = _int_vector(sids, "sids", "ids", _sid_bound)
     cdef Py_ssize_t B = sa.shape[0], i
     if q_lens is None:
         if B != rows:
             raise ValueError(f"sids: expected {rows} ids (one per row of q), got {B}")
         la = np.ones(B, np.int64)
     else:
-        la = _as_lens(q_lens)
+        la = _int_vector(q_lens, "q_lens", "lengths", _len_bound)
         if la.shape[0] != B:
             raise ValueError(f"q_lens: expected {B} lengths (one per sid), got "
                              f"{la.shape[0]}")
@@ -263,39 +264,40 @@ def attention(cache, layer, q, sids, q_lens=None, scale=None, out=None):
     return oa
 
 
-cdef object _as_sids(object sids):
-    if isinstance(sids, np.ndarray):
-        if sids.ndim != 1:
-            raise ValueError(f"sids: expected a 1-d array, got shape {sids.shape}")
-        if sids.dtype.kind not in "iu" or sids.dtype.itemsize > 8:
-            raise TypeError(f"sids: expected integer ids, got dtype {sids.dtype}")
-        if sids.dtype.kind == "u" and sids.size and sids.max() > 0x7FFFFFFFFFFFFFFF:
-            raise SequenceNotFound(f"sequence {sids.max()}: unknown or freed sequence")
-        return np.ascontiguousarray(sids, dtype=np.int64)
-    out = []
-    for x in sids:
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise TypeError(f"sids: expected int ids, got {type(x).__name__}")
-        if x < 0 or x > 0x7FFFFFFFFFFFFFFF:
-            raise SequenceNotFound(f"sequence {x}: unknown or freed sequence")
-        out.append(int(x))
-    return np.array(out, dtype=np.int64)
+ctypedef object (*_bound_t)(object v)
 
 
-cdef object _as_lens(object q_lens):
-    if isinstance(q_lens, np.ndarray):
-        if q_lens.ndim != 1:
-            raise ValueError(f"q_lens: expected a 1-d array, got shape {q_lens.shape}")
-        if q_lens.dtype.kind not in "iu":
-            raise TypeError(f"q_lens: expected integers, got dtype {q_lens.dtype}")
-        if q_lens.size and q_lens.max() > 0x7FFFFFFF:
-            raise ValueError(f"q_lens: expected lengths < 2**31, got {q_lens.max()}")
-        return np.ascontiguousarray(q_lens, dtype=np.int64)
+cdef object _sid_bound(object v):
+    if v < 0 or v > 0x7FFFFFFFFFFFFFFF:
+        return SequenceNotFound(f"sequence {v}: unknown or freed sequence")
+    return None
+
+
+cdef object _len_bound(object v):
+    if v > 0x7FFFFFFF:
+        return ValueError(f"q_lens: expected lengths < 2**31, got {v}")
+    return None
+
+
+cdef object _int_vector(object x, str what, str noun, _bound_t bound):
+    """``x``, a 1-d integer ndarray or an iterable of ints, as a contiguous int64 vector.
+    ``bound(v)`` is the exception for a value out of range, or None: it sees every value
+    of an iterable, and an array's largest (the kernel checks ids and lengths again)."""
+    if isinstance(x, np.ndarray):
+        if x.ndim != 1:
+            raise ValueError(f"{what}: expected a 1-d array, got shape {x.shape}")
+        if x.dtype.kind not in "iu" or x.dtype.itemsize > 8:
+            raise TypeError(f"{what}: expected integer {noun}, got dtype {x.dtype}")
+        err = bound(x.max()) if x.size else None
+        if err is not None:
+            raise err
+        return np.ascontiguousarray(x, dtype=np.int64)
     out = []
-    for x in q_lens:
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise TypeError(f"q_lens: expected int lengths, got {type(x).__name__}")
-        if x > 0x7FFFFFFF:
-            raise ValueError(f"q_lens: expected lengths < 2**31, got {x}")
-        out.append(int(x))
+    for v in x:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{what}: expected int {noun}, got {type(v).__name__}")
+        err = bound(v)
+        if err is not None:
+            raise err
+        out.append(int(v))
     return np.array(out, dtype=np.int64)

@@ -1,4 +1,9 @@
-# Kernel signatures (kernels/kernels.h).  Every kernel returns a status code; none raises.
+# shmkv._core's declarations, shared by every module of the package that touches the
+# segment: the kernel signatures (kernels/kernels.h; every kernel returns a status, none
+# raises), the classes of the handle (_Mapping, _Attachment, Segment: the base of the
+# method chain that KVCache ends), the C API of _core, and the inline helpers of the hot
+# paths (compiled into each module that cimports them: no call between modules there).
+cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
 from shmkv._layout cimport *
 
@@ -35,11 +40,14 @@ cdef extern from "kernels/kernels.h" nogil:
         int cow
 
     int SHMKV_NCRASH
-    int shmkv_plant
     int SHMKV_PLANT_EARLY_PUBLISH
     const char *SHMKV_CRASH_NAMES[]
-    int shmkv_crash_id
-    long shmkv_crash_countdown
+    ctypedef struct shmkv_dbg_t:
+        int crash_id
+        long crash_countdown
+        int plant
+    shmkv_dbg_t *shmkv_dbg          # this module's pointer: bind it with bind_debug_state()
+    shmkv_dbg_t shmkv_dbg_local     # this module's own copy (the one _core's pointer keeps)
     void shmkv_crash(int id)
     int SHMKV_CP_COW_AFTER_COPY, SHMKV_CP_APPEND_BEFORE_PUBLISH, SHMKV_CP_APPEND_AFTER_PUBLISH
     double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters, int shared)
@@ -56,6 +64,8 @@ cdef extern from "kernels/kernels.h" nogil:
     void shmkv_unquiesce_locked(shmkv_ctx_t *c)
     double shmkv_bench_memcpy(uint8_t *dst, const uint8_t *src, uint64_t nbytes,
                               uint64_t span, uint64_t iters, int streaming)
+    double shmkv_bench_rows(shmkv_ctx_t *c, const uint8_t *k, const uint8_t *v,
+                            const int64_t *slots, uint64_t n, uint64_t iters)
     int64_t shmkv_now_ns(int clk)
     void shmkv_count(shmkv_ctx_t *c, int which, uint64_t v)
     void shmkv_count_proc(shmkv_ctx_t *c, int which, uint64_t v)
@@ -121,11 +131,116 @@ cdef extern from "kernels/kernels.h" nogil:
     int shmkv_index_insert_locked(shmkv_ctx_t *c, const uint64_t *h, uint32_t b)
 
 
-# ---- the C API of _core for sibling extension modules (shmkv/_attention.pyx, ...) ------
-# Defined in _core.pyx; Cython exports them through the module's capsule table, so the
-# kernels and their process-global state (crash points, planted bugs) live only in _core.
+# ---- the handle: the mapping, this process's attachment, the Segment base class -------
+cdef class _Mapping:
+    """Owns one mmap'ed address range; numpy views of it keep it alive."""
+    cdef uint8_t *base
+    cdef uint64_t size
+    cdef bint writable
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+
+    @staticmethod
+    cdef _Mapping map(int fd, uint64_t size, bint writable, bint populate)
+
+
+cdef class _Attachment:
+    """One per (segment, process): the ctx, the mapping, the process slot; handles share it."""
+    cdef shmkv_ctx_t ctx
+    cdef _Mapping mapping
+    cdef object key
+    cdef object name
+    cdef int fd
+    cdef int refs
+    cdef object pid
+
+    cdef int register(self) except -1
+    cdef int release(self) except -1
+    cdef void after_fork_child(self)
+
+
+cdef class Segment:
+    """The base of the handle's method chain (see DEVELOP.md): its lifetime."""
+    cdef _Attachment _att
+    cdef shmkv_ctx_t *ctx
+    cdef readonly object name
+    cdef readonly object config
+    cdef object _dtype
+    cdef cnp.dtype _descr
+    cdef bint _closed
+    cdef int64_t _tokw           # heads * dim elements of one token (one layer)
+    cdef object __weakref__
+
+    cdef _bind(self, _Attachment att)
+    cdef int _reopen(self) except -1
+
+
+# ---- the C API of _core for sibling extension modules (the method chain, _attention) ---
+# Defined in _core.pyx; Cython exports them through the module's capsule table.
 cdef shmkv_ctx_t *segment_ctx(object seg) except NULL
 cdef int raise_status(int st, str what) except -1
+cdef object cfg_object(const shmkv_config_t *c)
+cdef dict layout_dict(const shmkv_layout_t *l)
+cdef int64_t sid_arg(object sid) except? -2
 cdef int lock_seqs(shmkv_ctx_t *c, const int64_t *sids, Py_ssize_t n,
                    uint32_t *slots, uint32_t *lens) except -1
 cdef void unlock_seqs(shmkv_ctx_t *c, const uint32_t *slots, Py_ssize_t n) noexcept
+cdef shmkv_dbg_t *debug_state() noexcept
+
+
+# ---- inline helpers: each module that cimports them gets its own copy ----------------
+cdef inline void bind_debug_state() noexcept:
+    """Points this module's copy of the kernels at _core's crash-point and planted-bug
+    switches.  Every module that calls kernels runs it once, at import."""
+    global shmkv_dbg
+    shmkv_dbg = debug_state()
+
+
+cdef inline shmkv_ctx_t *ctx_of(Segment seg) except NULL:
+    """The context of an open handle (registering this process on first use after
+    os.fork()); ValueError on a closed one."""
+    if seg._closed or seg.ctx.proc_token == 0:
+        seg._reopen()
+    return seg.ctx
+
+
+cdef inline int pool_lock(shmkv_ctx_t *c) except -1:
+    """Takes the pool lock: one try with the GIL, then a bounded wait without it."""
+    cdef int st = shmkv_pool_trylock(c)
+    if st == SHMKV_EAGAIN:
+        with nogil:
+            st = shmkv_pool_lock(c)
+    if st != SHMKV_OK:
+        raise_status(st, "pool lock")
+    return 0
+
+
+cdef inline int seq_lock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot) except -1:
+    """Takes a sequence's lock, the same way."""
+    cdef int st = shmkv_seq_trylock(c, sid, slot)
+    if st == SHMKV_EAGAIN:
+        with nogil:
+            st = shmkv_seq_lock(c, sid, slot)
+    if st != SHMKV_OK:
+        raise_status(st, f"sequence {sid}")
+    return 0
+
+
+cdef inline int64_t as_sid(object sid) except? -2:
+    """A sequence id argument as int64: a plain int inline, everything else (and every
+    error: TypeError, SequenceNotFound) through sid_arg."""
+    if type(sid) is int:
+        try:
+            return <int64_t>sid
+        except OverflowError:
+            pass
+    return sid_arg(sid)
+
+
+cdef inline int64_t valid_len(shmkv_ctx_t *c, uint32_t slot, int64_t s) except -1:
+    """A locked sequence's length, checked against its table before anything is sized
+    from it (never trust the segment)."""
+    cdef uint32_t nb = c.seqs[slot].nblocks, ln = c.seqs[slot].len
+    if nb > c.cfg.max_blocks_per_seq or <uint64_t>ln > <uint64_t>nb * c.cfg.block_size:
+        raise_status(SHMKV_ECORRUPT, f"sequence {s}: length {ln} does not fit its {nb} blocks")
+    return ln

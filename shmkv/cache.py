@@ -1,19 +1,27 @@
 """KVCache: the public handle of a shmkv segment.
 
 The methods on the decode loop's path (append, reserve, write, gather, fork, free, ...)
-are implemented in Cython by ``_core.Segment`` and inherited here, so a call costs one
-Python-to-C transition; this module adds the constructors and the context manager.
+are implemented in Cython by the method chain ``_core.Segment`` <- ``_inspect.InspectOps``
+<- ``_prefix.PrefixOps`` <- ``_sequences.SequenceOps`` <- ``_kvdata.DataOps`` and inherited
+here, so a call costs one Python-to-C transition; this module adds the constructors, the
+context manager and the attention entry point.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Tuple
+
 from . import _attention
-from ._core import Segment
+from ._kvdata import DataOps
 from .config import CacheConfig
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["KVCache"]
 
 
-class KVCache(Segment):
+class KVCache(DataOps):
     """A paged KV cache in one POSIX shared-memory segment.
 
     Every process that attaches the same name shares one block pool, one free list,
@@ -89,15 +97,19 @@ class KVCache(Segment):
                     f"expected {config}")
             return cache
 
-    def gather_buffers(self, n_tokens: int):
+    def gather_buffers(self, n_tokens: int) -> Tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """A ``(k_out, v_out)`` pair for ``gather(sid, start, start + n_tokens,
         out=...)``, page-aligned like the pools: numpy's own large arrays start 16 bytes
         past a page boundary, which costs the copy about 1.7x through 4K aliasing."""
-        from ._core import empty_gather_buffers
+        from ._kvdata import empty_gather_buffers
 
         return empty_gather_buffers(self, n_tokens)
 
-    def attention(self, layer, q, sids, *, q_lens=None, scale=None, out=None):
+    def attention(self, layer: int, q: npt.NDArray[Any],
+                  sids: Iterable[int | np.integer[Any]] | npt.NDArray[np.integer[Any]], *,
+                  q_lens: Optional[Iterable[int] | npt.NDArray[np.integer[Any]]] = None,
+                  scale: Optional[float] = None,
+                  out: Optional[npt.NDArray[np.float32]] = None) -> npt.NDArray[np.float32]:
         """Paged attention over the block tables of ``sids``, for one layer.
 
         ``softmax(q . k^T * scale) . v`` per query head, read straight from the pools (no
@@ -149,7 +161,7 @@ class KVCache(Segment):
     def __enter__(self) -> "KVCache":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

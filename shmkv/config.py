@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["CacheConfig", "DTYPES", "HASHES"]
 
@@ -23,7 +26,7 @@ _LIMITS = {
 }
 
 
-def _check_int(name: str, value, lo: int, hi: int) -> None:
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         try:
             import numpy as np  # numpy integers are integers too
@@ -81,7 +84,7 @@ class CacheConfig:
     max_procs: int = 64
     hash: str = "fast"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name, hi in _LIMITS.items():
             _check_int(name, getattr(self, name), 1, hi)
             object.__setattr__(self, name, int(getattr(self, name)))
@@ -114,6 +117,7 @@ class CacheConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         """Width of one block table."""
+        assert self.max_seq_len is not None       # set by __post_init__
         return self.max_seq_len // self.block_size
 
     @property
@@ -127,14 +131,15 @@ class CacheConfig:
         return self.bytes_per_token * self.block_size
 
     @property
-    def numpy_dtype(self):
+    def numpy_dtype(self) -> np.dtype[Any]:
         """The numpy dtype of the pools."""
         import numpy as np
 
         if self.dtype == "bfloat16":
             import ml_dtypes
 
-            return np.dtype(ml_dtypes.bfloat16)
+            bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+            return bf16
         return np.dtype(self.dtype)
 
     def segment_size(self) -> int:

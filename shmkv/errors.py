@@ -4,6 +4,7 @@ Every shmkv error derives from :class:`ShmkvError`; where a builtin describes th
 situation the class derives from it too (``except MemoryError`` and ``except KeyError``
 keep working), in the manner of pyarrow's errors.
 """
+from typing import Optional
 
 __all__ = [
     "ShmkvError",
@@ -25,7 +26,7 @@ class CacheFullError(ShmkvError, MemoryError):
 class SequenceNotFound(ShmkvError, KeyError):
     """The sequence id is unknown or was freed."""
 
-    def __str__(self):  # KeyError would repr() the message
+    def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
 
 
@@ -37,7 +38,7 @@ class SegmentError(ShmkvError):
     or its creator died building it), or ``None`` when unknown.
     """
 
-    def __init__(self, *args, reason=None):
+    def __init__(self, *args: object, reason: Optional[str] = None) -> None:
         super().__init__(*args)
         self.reason = reason
 

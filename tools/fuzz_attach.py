@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""tools/fuzz_attach.py -- feed random and mutated segments to attach() and snapshot().
+"""tools/fuzz_attach.py -- feed random and mutated segments to attach() and snapshot(),
+and, on those that attach, every read path including cache.attention().
 
 A few real, small segments are made first (templates: live, forked, copied-on-write,
 detached and half-filled sequences; different configs).  Case i of a run is a
@@ -16,7 +17,9 @@ case is written as a new shared-memory object, then:
                                         ValueError; any other exception is a finding
   * when attached (half of the time with recover=False, so the calls meet the corruption
     before any repair): check(), stats(), sequences(), seq_len / block_table / gather of every
-    sequence, batch_block_tables(), recover(), check() again, a create + append + fork +
+    sequence, cache.attention() over them (decode and q_lens: a result, SegmentError, or
+    ValueError for a length read as 0), batch_block_tables(), recover(), check() again, a
+    create + append + fork +
     free, close()  -- ShmkvError subclasses are fine; anything else is a finding
 
 and unlinked.  Cases run in child processes (spawn), each recording the index of the case
@@ -479,11 +482,11 @@ def run_case(name, data, attach, rng, finding):
 def exercise(c, rng, finding):
     errors = 0
 
-    def op(what, fn, *a, **kw):
+    def op(what, fn, *a, expected=EXPECTED_OPS, **kw):
         nonlocal errors
         try:
             return fn(*a, **kw)
-        except EXPECTED_OPS:
+        except expected:
             errors += 1
         except Exception as e:  # noqa: BLE001
             finding(what, e)
@@ -493,11 +496,26 @@ def exercise(c, rng, finding):
     op("stats", c.stats)
     sids = op("sequences", c.sequences) or []
     cfg = c.config
+    lens = {}
     for sid in sids[:8]:
-        op("seq_len", c.seq_len, sid)
+        lens[sid] = op("seq_len", c.seq_len, sid)
         op("block_table", c.block_table, sid)
         op("owner_pid", c.owner_pid, sid)
         op("gather", c.gather, sid)
+    # paged attention over whatever tables and lengths the mutation left: a result or
+    # SegmentError, never a crash or a read out of bounds (ValueError: a length that reads
+    # as 0, or shrank under q_lens, which the contract allows)
+    live = [s for s in sids[:8] if isinstance(lens.get(s), int) and lens[s] > 0]
+    if live:
+        layer = rng.randrange(cfg.num_layers)
+        hq = cfg.num_kv_heads * rng.choice([1, 2])
+        qrng = np.random.default_rng(rng.randrange(1 << 32))
+        q = qrng.standard_normal((len(live), hq, cfg.head_dim)).astype(np.float32)
+        op("attention", c.attention, layer, q, live, expected=(shmkv.ShmkvError, ValueError))
+        ql = [rng.randint(1, min(lens[s], 5)) for s in live]
+        q = qrng.standard_normal((sum(ql), hq, cfg.head_dim)).astype(np.float32)
+        op("attention", c.attention, layer, q, live, q_lens=ql,
+           expected=(shmkv.ShmkvError, ValueError))
     if sids:
         op("batch_block_tables", c.batch_block_tables, sids[:8])
     op("recover", c.recover)

@@ -30,23 +30,24 @@ FREE, CACHED, OWNED, SHARED, DEAD = 0, 1, 2, 3, 4
 STATE_NAMES = ("free", "cached", "owned", "shared", "dead")
 
 
+def _preset(model, num_layers, num_kv_heads, head_dim, block_size=16, note="", **more):
+    """(config fields, help): the help says the shape the fields give."""
+    fields = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                  block_size=block_size, dtype="float16", **more)
+    shape = (f"{num_layers} layers, {num_kv_heads} kv heads, head_dim {head_dim}, float16, "
+             f"block {block_size}")
+    if "num_blocks" in more:
+        shape += f", {more['num_blocks']} blocks"
+    return fields, (f"{model}: {shape}" if model else shape) + note
+
+
+# name: (config fields, help); num_blocks comes from --blocks / --memory unless given
 PRESETS = {
-    # name: (config fields, help); num_blocks comes from --blocks / --memory unless given
-    "tiny": (dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64,
-                  max_seqs=32, dtype="float16"),
-             "2 layers, 2 kv heads, head_dim 8, float16, block 4, 64 blocks (for tests)"),
-    "llama3-8b": (dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
-                       dtype="float16"),
-                  "Llama 3 8B: 32 layers, 8 kv heads, head_dim 128, float16, block 16"),
-    "llama3-70b": (dict(num_layers=80, num_kv_heads=8, head_dim=128, block_size=16,
-                        dtype="float16"),
-                   "Llama 3 70B: 80 layers, 8 kv heads, head_dim 128, float16, block 16"),
-    "llama2-7b": (dict(num_layers=32, num_kv_heads=32, head_dim=128, block_size=16,
-                       dtype="float16"),
-                  "Llama 2 7B: 32 layers, 32 kv heads, head_dim 128, float16, block 16"),
-    "mistral-7b": (dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
-                        dtype="float16"),
-                   "Mistral 7B: 32 layers, 8 kv heads, head_dim 128, float16, block 16"),
+    "tiny": _preset("", 2, 2, 8, 4, " (for tests)", num_blocks=64, max_seqs=32),
+    "llama3-8b": _preset("Llama 3 8B", 32, 8, 128),
+    "llama3-70b": _preset("Llama 3 70B", 80, 8, 128),
+    "llama2-7b": _preset("Llama 2 7B", 32, 32, 128),
+    "mistral-7b": _preset("Mistral 7B", 32, 8, 128),
 }
 
 

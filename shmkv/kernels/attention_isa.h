@@ -158,66 +158,116 @@ SHMKV_AI float FN(vexpsub)(float *s, float mx) {
 }
 #endif
 
+/* Register blocking, per pass: KB keys at a time in the scores (each q chunk loaded once
+ * for KB keys: KB * NG accumulators), CC vector chunks of d at a time in the V pass (each
+ * probability broadcast once for CC chunks: NG * CC accumulators, which stay in registers
+ * across the tile's keys).  Sized to the register file: 32 zmm, 16 ymm. */
+#undef KB
+#undef CC
+#if SHMKV_ISA_PASS == 2
+#define KB 4
+#define CC 4
+#elif SHMKV_ISA_PASS == 1
+#define KB 2
+#define CC 2
+#else
+#define KB 4
+#define CC 4
+#endif
+
+/* ---- scores: s4[4 j + g] = q[g] . k[j] for KBN keys and NG query vectors ------------- */
+SHMKV_AI void FN(scores_blk)(const float *q, const uint8_t *const *kr, uint32_t d, float *s4,
+                             const int dt, const int NG, const int KBN) {
+    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+    VEC a[KB][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < KBN; i++)
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) a[i][g] = VZERO();
+    for (uint32_t c = 0; c < d; c += W) {
+        VEC qv[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) qv[g] = VLOADF(q + (size_t)g * d + c);
+#pragma GCC unroll 4
+        for (int i = 0; i < KBN; i++) {
+            const VEC k = FN(vld)(kr[i] + c * esz, dt);
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; g++) a[i][g] = VFMA(k, qv[g], a[i][g]);
+        }
+    }
+    if (NG == 1 && KBN == 4) {              /* one query vector: the four keys' sums at once */
+        float t[4];
+        FN(hsum4)(a[0][0], a[1][0], a[2][0], a[3][0], t);
+        for (int i = 0; i < 4; i++) s4[4 * i] = t[i];
+    } else {
+#pragma GCC unroll 4
+        for (int i = 0; i < KBN; i++) FN(hsum4)(a[i][0], a[i][1], a[i][2], a[i][3], s4 + 4 * i);
+    }
+}
+
 /* ---- scores: s[g][j] = q[g] . k[j] for NG query vectors (q pre-scaled) ---------------- */
 SHMKV_AI void FN(scores_k)(const float *q, const uint8_t *const *krow, uint32_t nt, uint32_t d,
-                           float *s, const int dt, const int NG) {
-    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+                           float *s, const int dt, const int NG, const uint8_t *const *pf,
+                           uint32_t npf) {
+    const size_t rb = (size_t)d * (dt == SHMKV_ATT_F32 ? 4 : 2);
     float s4[4 * TILE];
-    for (uint32_t j = 0; j < nt; j++) {
-        VEC a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
-        const uint8_t *kr = krow[j];
-        for (uint32_t c = 0; c < d; c += W) {
-            const VEC k = FN(vld)(kr + c * esz, dt);
-            a0 = VFMA(k, VLOADF(q + c), a0);
-            if (NG > 1) a1 = VFMA(k, VLOADF(q + d + c), a1);
-            if (NG > 2) a2 = VFMA(k, VLOADF(q + 2 * d + c), a2);
-            if (NG > 3) a3 = VFMA(k, VLOADF(q + 3 * d + c), a3);
-        }
-        if (NG == 1) s[j] = VHSUM(a0);
-        else FN(hsum4)(a0, a1, a2, a3, s4 + 4 * j);
+    uint32_t j = 0;
+    for (; j + KB <= nt; j += KB) {
+        /* the next tile's K rows of this head, a few per block of keys (spread: a burst
+         * of prefetches stalls the core once the miss buffers are full) */
+        for (uint32_t i = j; i < j + KB && i < npf; i++) shmkv_att_prefetch(pf[i], rb);
+        FN(scores_blk)(q, krow + j, d, s4 + 4 * j, dt, NG, KB);
     }
-    if (NG > 1)                                 /* [token][g] -> [g][token] */
-        for (int g = 0; g < NG; g++)
-            for (uint32_t j = 0; j < nt; j++) s[g * TILE + j] = s4[4 * j + g];
+    for (; j < nt; j++) {
+        if (j < npf) shmkv_att_prefetch(pf[j], rb);
+        FN(scores_blk)(q, krow + j, d, s4 + 4 * j, dt, NG, 1);
+    }
+    for (uint32_t i = j; i < npf; i++) shmkv_att_prefetch(pf[i], rb);
+    for (int g = 0; g < NG; g++)                /* [token][g] -> [g][token] */
+        for (uint32_t t = 0; t < nt; t++) s[g * TILE + t] = s4[4 * t + g];
+}
+
+/* ---- acc[g][c0, c0 + CCN W) = acc * alpha[g] + sum_j p[g][j] v[j][c0, ...) ----------- */
+SHMKV_AI void FN(vacc_blk)(float *acc, const float *alpha, const float *p,
+                           const uint8_t *const *vrow, uint32_t nt, uint32_t d, uint32_t c0,
+                           const int dt, const int NG, const int CCN, const uint8_t *const *pf,
+                           uint32_t npf) {
+    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+    VEC o[4][CC];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++) {
+        const VEC al = VSET1(alpha[g]);
+#pragma GCC unroll 4
+        for (int i = 0; i < CCN; i++) o[g][i] = VMUL(VLOADF(acc + (size_t)g * d + c0 + i * W), al);
+    }
+    for (uint32_t j = 0; j < nt; j++) {
+        if (j < npf) shmkv_att_prefetch(pf[j], (size_t)d * esz);   /* next tile's V row */
+        const uint8_t *vr = vrow[j] + (size_t)c0 * esz;
+        VEC vv[CC];
+#pragma GCC unroll 4
+        for (int i = 0; i < CCN; i++) vv[i] = FN(vld)(vr + (size_t)i * W * esz, dt);
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) {
+            const VEC pg = VSET1(p[g * TILE + j]);
+#pragma GCC unroll 4
+            for (int i = 0; i < CCN; i++) o[g][i] = VFMA(pg, vv[i], o[g][i]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 4
+        for (int i = 0; i < CCN; i++) VSTOREF(acc + (size_t)g * d + c0 + i * W, o[g][i]);
 }
 
 /* ---- acc[g] = acc[g] * alpha[g] + sum_j p[g][j] v[j] ---------------------------------- */
 SHMKV_AI void FN(vacc_k)(float *acc, const float *alpha, const float *p,
                          const uint8_t *const *vrow, uint32_t nt, uint32_t d, const int dt,
-                         const int NG) {
-    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
-    for (uint32_t c = 0; c < d; c += W) {
-        VEC o0 = VMUL(VLOADF(acc + c), VSET1(alpha[0]));
-        VEC o1 = NG > 1 ? VMUL(VLOADF(acc + d + c), VSET1(alpha[1])) : VZERO();
-        VEC o2 = NG > 2 ? VMUL(VLOADF(acc + 2 * d + c), VSET1(alpha[2])) : VZERO();
-        VEC o3 = NG > 3 ? VMUL(VLOADF(acc + 3 * d + c), VSET1(alpha[3])) : VZERO();
-        /* two accumulators per query vector (even and odd keys): twice the FMAs in flight */
-        VEC e0 = VZERO(), e1 = VZERO(), e2 = VZERO(), e3 = VZERO();
-        uint32_t j = 0;
-        for (; j + 2 <= nt; j += 2) {
-            const VEC v = FN(vld)(vrow[j] + c * esz, dt), w = FN(vld)(vrow[j + 1] + c * esz, dt);
-            o0 = VFMA(VSET1(p[j]), v, o0);
-            e0 = VFMA(VSET1(p[j + 1]), w, e0);
-            if (NG > 1) { o1 = VFMA(VSET1(p[TILE + j]), v, o1); e1 = VFMA(VSET1(p[TILE + j + 1]), w, e1); }
-            if (NG > 2) { o2 = VFMA(VSET1(p[2 * TILE + j]), v, o2); e2 = VFMA(VSET1(p[2 * TILE + j + 1]), w, e2); }
-            if (NG > 3) { o3 = VFMA(VSET1(p[3 * TILE + j]), v, o3); e3 = VFMA(VSET1(p[3 * TILE + j + 1]), w, e3); }
-        }
-        if (j < nt) {
-            const VEC v = FN(vld)(vrow[j] + c * esz, dt);
-            o0 = VFMA(VSET1(p[j]), v, o0);
-            if (NG > 1) o1 = VFMA(VSET1(p[TILE + j]), v, o1);
-            if (NG > 2) o2 = VFMA(VSET1(p[2 * TILE + j]), v, o2);
-            if (NG > 3) o3 = VFMA(VSET1(p[3 * TILE + j]), v, o3);
-        }
-        o0 = o0 + e0;
-        if (NG > 1) o1 = o1 + e1;
-        if (NG > 2) o2 = o2 + e2;
-        if (NG > 3) o3 = o3 + e3;
-        VSTOREF(acc + c, o0);
-        if (NG > 1) VSTOREF(acc + d + c, o1);
-        if (NG > 2) VSTOREF(acc + 2 * d + c, o2);
-        if (NG > 3) VSTOREF(acc + 3 * d + c, o3);
-    }
+                         const int NG, const uint8_t *const *pf, uint32_t npf) {
+    uint32_t c = 0;
+    for (; c + CC * W <= d; c += CC * W, npf = 0)       /* prefetches with the first chunk */
+        FN(vacc_blk)(acc, alpha, p, vrow, nt, d, c, dt, NG, CC, pf, npf);
+    for (; c < d; c += W, npf = 0) FN(vacc_blk)(acc, alpha, p, vrow, nt, d, c, dt, NG, 1, pf, npf);
+    for (uint32_t j = nt; j < npf; j++) shmkv_att_prefetch(pf[j], (size_t)d * (dt == SHMKV_ATT_F32 ? 4 : 2));
 }
 
 #define SHMKV_NG_SWITCH(call, dtv)                                                     \
@@ -235,15 +285,16 @@ SHMKV_AI void FN(vacc_k)(float *acc, const float *alpha, const float *p,
     }
 
 static void FN(scores)(const float *q, uint32_t ng, const uint8_t *const *krow, uint32_t nt,
-                       uint32_t d, int dt, float *s) {
-#define SHMKV_SC(DT, NG) FN(scores_k)(q, krow, nt, d, s, DT, NG)
+                       uint32_t d, int dt, float *s, const uint8_t *const *pf, uint32_t npf) {
+#define SHMKV_SC(DT, NG) FN(scores_k)(q, krow, nt, d, s, DT, NG, pf, npf)
     SHMKV_DT_SWITCH(SHMKV_SC)
 #undef SHMKV_SC
 }
 
 static void FN(vacc)(float *acc, uint32_t ng, const float *alpha, const float *p,
-                     const uint8_t *const *vrow, uint32_t nt, uint32_t d, int dt) {
-#define SHMKV_VA(DT, NG) FN(vacc_k)(acc, alpha, p, vrow, nt, d, DT, NG)
+                     const uint8_t *const *vrow, uint32_t nt, uint32_t d, int dt,
+                     const uint8_t *const *pf, uint32_t npf) {
+#define SHMKV_VA(DT, NG) FN(vacc_k)(acc, alpha, p, vrow, nt, d, DT, NG, pf, npf)
     SHMKV_DT_SWITCH(SHMKV_VA)
 #undef SHMKV_VA
 }
@@ -263,7 +314,7 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
     const int32_t *table = a->tables[it->seq];
     const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
     const size_t tok = (size_t)a->hkv * d * esz, hstride = (size_t)d * esz;
-    const uint8_t *kb[2][TILE], *vb[2][TILE], *krow[TILE], *vrow[TILE];
+    const uint8_t *kb[2][TILE], *vb[2][TILE], *krow[TILE], *vrow[TILE], *pk[TILE], *pv[TILE];
     float s[4 * TILE], alpha[4];
     memset(acc, 0, (size_t)nqv * d * sizeof(float));
     for (uint32_t v = 0; v < nqv; v++) { m[v] = -INFINITY; l[v] = 0; }
@@ -294,22 +345,19 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
                 krow[j] = kbase[j] + h * hstride;
                 vrow[j] = vbase[j] + h * hstride;
             }
-            /* the next tile's rows of this head, a tile ahead: the rows of one head are
+            /* the next tile's rows of this head are prefetched a tile ahead, spread over
+             * the score and V loops of the first query group: the rows of one head are
              * hstride bytes every tok bytes, a stride the hardware prefetchers miss */
             for (uint32_t j = 0; j < nn; j++) {
-                const uint8_t *pk = kb[w ^ 1][j] + h * hstride, *pv = vb[w ^ 1][j] + h * hstride;
-                for (size_t x = 0; x < hstride; x += 128) {
-                    __builtin_prefetch(pk + x, 0, 2);
-                    __builtin_prefetch(pk + x + 64, 0, 2);
-                    __builtin_prefetch(pv + x, 0, 2);
-                    __builtin_prefetch(pv + x + 64, 0, 2);
-                }
+                pk[j] = kb[w ^ 1][j] + h * hstride;
+                pv[j] = vb[w ^ 1][j] + h * hstride;
             }
+            uint32_t npf = nn;
             for (uint32_t q0 = 0; q0 < nqh; q0 += 4) {
                 const uint32_t ng = nqh - q0 < 4 ? nqh - q0 : 4, v0 = h * nqh + q0;
                 /* a tile wholly past every row's last key is skipped */
                 if (first + (q0 + ng - 1) / G + 1 <= ts) continue;
-                FN(scores)(qf + (size_t)v0 * d, ng, krow, nt, d, dt, s);
+                FN(scores)(qf + (size_t)v0 * d, ng, krow, nt, d, dt, s, pk, npf);
                 int any = 0;
                 for (uint32_t g = 0; g < ng; g++) {
                     const uint32_t v = v0 + g, lim = first + (q0 + g) / G + 1;
@@ -334,7 +382,10 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
                     m[v] = mn;
                     any = 1;
                 }
-                if (any) FN(vacc)(acc + (size_t)v0 * d, ng, alpha, s, vrow, nt, d, dt);
+                if (any) FN(vacc)(acc + (size_t)v0 * d, ng, alpha, s, vrow, nt, d, dt, pv, npf);
+                else
+                    for (uint32_t j = 0; j < npf; j++) shmkv_att_prefetch(pv[j], hstride);
+                npf = 0;
             }
         }
     }
@@ -352,3 +403,5 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
 #undef VFMA
 #undef VMUL
 #undef VHSUM
+#undef KB
+#undef CC

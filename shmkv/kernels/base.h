@@ -56,18 +56,28 @@ enum { SHMKV_CP_NONE = 0, SHMKV_CRASH_POINTS(SHMKV_X_ENUM) SHMKV_NCRASH };
 #define SHMKV_X_NAME(id, name) name,
 static const char *SHMKV_CRASH_NAMES[] = { "none", SHMKV_CRASH_POINTS(SHMKV_X_NAME) NULL };
 #undef SHMKV_X_NAME
-static int shmkv_crash_id = 0;
-static long shmkv_crash_countdown = 0;
-static inline void shmkv_crash(int id) {
-    if (__builtin_expect(shmkv_crash_id == id, 0) && --shmkv_crash_countdown <= 0) _exit(86);
-}
-#define SHMKV_CRASH(id) shmkv_crash(SHMKV_CP_##id)
-
 /* Planted bugs: the chaos harness must catch each of them (proof that it can fail).
  * Process-local; off unless plant_bug() is called. */
 enum { SHMKV_PLANT_NONE = 0, SHMKV_PLANT_NO_RECOVERY = 1, SHMKV_PLANT_EARLY_PUBLISH = 2,
        SHMKV_PLANT_NO_COW = 3, SHMKV_PLANT_LEAK_ON_FREE = 4 };
-static int shmkv_plant = 0;
+
+/* The switches of both (process-local, never shared).  The kernels are static, so every
+ * extension module that compiles them has its own copy of every static variable: the
+ * kernels therefore read the switches through one pointer, which each such module binds
+ * at import to _core's instance (shmkv._core.debug_state(), see DEVELOP.md).  Until it
+ * is bound a module reads its own all-off copy. */
+typedef struct {
+    int crash_id;               /* SHMKV_CP_* armed, 0 = none */
+    long crash_countdown;       /* passes left before _exit(86) */
+    int plant;                  /* SHMKV_PLANT_* */
+} shmkv_dbg_t;
+static shmkv_dbg_t shmkv_dbg_local;
+static shmkv_dbg_t *shmkv_dbg = &shmkv_dbg_local;
+static inline void shmkv_crash(int id) {
+    if (__builtin_expect(shmkv_dbg->crash_id == id, 0) && --shmkv_dbg->crash_countdown <= 0)
+        _exit(86);
+}
+#define SHMKV_CRASH(id) shmkv_crash(SHMKV_CP_##id)
 
 /* ---- the process-local view of a segment (never in shared memory) ---------------- */
 typedef struct {

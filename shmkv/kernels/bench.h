@@ -60,4 +60,23 @@ static double shmkv_bench_memcpy(uint8_t *dst, const uint8_t *src, uint64_t nbyt
     return (double)(shmkv_now_ns(CLOCK_MONOTONIC) - t0) / (double)iters;
 }
 
+/* ns per decode step's write of one token into every layer's K and V pool (2 * num_layers
+ * rows of token_bytes, each where the paged layout puts slot slots[i % n]) from a contiguous
+ * [num_layers][token] source: the layout-matched floor of append(sid, k[:, :1], v[:, :1]),
+ * without its locks, table and bookkeeping.  Slots must be valid (the caller checks). */
+static double shmkv_bench_rows(shmkv_ctx_t *c, const uint8_t *k, const uint8_t *v,
+                               const int64_t *slots, uint64_t n, uint64_t iters) {
+    const uint64_t tb = c->lay.token_bytes, ls = c->lay.layer_stride;
+    const uint32_t L = c->cfg.num_layers;
+    int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
+    for (uint64_t i = 0; i < iters; i++) {
+        const uint64_t off = (uint64_t)slots[i % n] * tb;
+        for (uint32_t l = 0; l < L; l++) {
+            memcpy(c->kpool + l * ls + off, k + l * tb, tb);
+            memcpy(c->vpool + l * ls + off, v + l * tb, tb);
+        }
+    }
+    return (double)(shmkv_now_ns(CLOCK_MONOTONIC) - t0) / (double)iters;
+}
+
 #endif /* SHMKV_KERNELS_BENCH_H */

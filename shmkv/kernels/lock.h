@@ -30,15 +30,22 @@ static inline int shmkv__mutex_looks_free(pthread_mutex_t *m) {
     return __atomic_load_n((int *)m, __ATOMIC_RELAXED) == 0;
 }
 
-/* Returns OK (locked), EAGAIN (busy; nothing held), or ECORRUPT (not recoverable).
- * Spins briefly (bounded, no sleep) before giving up. */
-static int shmkv_pool_trylock(shmkv_ctx_t *c) {
+/* pthread_mutex_trylock of the pool lock, retried while a bounded spin (no sleep) sees
+ * it come free; the last trylock's result. */
+static inline int shmkv__pool_spin(shmkv_ctx_t *c) {
     int rc = pthread_mutex_trylock(&c->sh->pool_lock);
     for (int i = 0; rc == EBUSY && i < SHMKV_POOL_SPIN; i++) {
         SHMKV_PAUSE();
         if (shmkv__mutex_looks_free(&c->sh->pool_lock))
             rc = pthread_mutex_trylock(&c->sh->pool_lock);
     }
+    return rc;
+}
+
+/* Returns OK (locked), EAGAIN (busy; nothing held), or ECORRUPT (not recoverable).
+ * Spins briefly (bounded, no sleep) before giving up. */
+static int shmkv_pool_trylock(shmkv_ctx_t *c) {
+    int rc = shmkv__pool_spin(c);
     if (rc == 0) return SHMKV_OK;
     if (rc == EBUSY) return SHMKV_EAGAIN;
     if (rc == EOWNERDEAD) return shmkv__owner_died(c);
@@ -47,12 +54,7 @@ static int shmkv_pool_trylock(shmkv_ctx_t *c) {
 
 /* Blocks at most ctx->timeout_ns.  Call without the GIL. */
 static int shmkv_pool_lock(shmkv_ctx_t *c) {
-    int rc = pthread_mutex_trylock(&c->sh->pool_lock);
-    for (int i = 0; rc == EBUSY && i < SHMKV_POOL_SPIN; i++) {
-        SHMKV_PAUSE();
-        if (shmkv__mutex_looks_free(&c->sh->pool_lock))
-            rc = pthread_mutex_trylock(&c->sh->pool_lock);
-    }
+    int rc = shmkv__pool_spin(c);
     if (rc == EBUSY) {
         shmkv_count(c, SHMKV_C_LOCK_WAITS, 1);
         int64_t dl = shmkv_now_ns(CLOCK_REALTIME) + c->timeout_ns;

@@ -165,7 +165,7 @@ static int shmkv_pcache_free(shmkv_ctx_t *c, uint32_t slot) {
             if (t[j] == t[i]) st = SHMKV_ECORRUPT;    /* ref_cnt 1 but listed twice */
     }
     if (st != SHMKV_OK) { shmkv_pcache_unlock(p); return st; }
-    if (__builtin_expect(shmkv_plant == SHMKV_PLANT_LEAK_ON_FREE, 0) && nb > 0) nb--;
+    if (__builtin_expect(shmkv_dbg->plant == SHMKV_PLANT_LEAK_ON_FREE, 0) && nb > 0) nb--;
     for (uint32_t i = nb; i-- > 0;) {               /* tail first, as the slow path */
         if (i == nb / 2) SHMKV_CRASH(FREE_MID);
         uint32_t b = (uint32_t)t[i];

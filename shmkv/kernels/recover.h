@@ -102,7 +102,7 @@ static int shmkv_any_dead_locked(shmkv_ctx_t *c) {
 static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
     int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
     memset(r, 0, sizeof *r);
-    if (__builtin_expect(shmkv_plant == SHMKV_PLANT_NO_RECOVERY, 0)) return SHMKV_OK;
+    if (__builtin_expect(shmkv_dbg->plant == SHMKV_PLANT_NO_RECOVERY, 0)) return SHMKV_OK;
     shmkv_shared_t *sh = c->sh;
     const uint32_t NB = c->cfg.num_blocks, NS = c->cfg.max_seqs, NP = c->cfg.max_procs;
     /* references this pass drops on purpose (reclaimed sequences, trimmed tails, dead

@@ -68,7 +68,7 @@ static int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot) {
     uint32_t nb = q->nblocks;
     const int32_t *t = shmkv_table(c, slot);
     shmkv_atomic_store_u32(&q->state, SHMKV_SEQ_FREE);
-    if (__builtin_expect(shmkv_plant == SHMKV_PLANT_LEAK_ON_FREE, 0) && nb > 0) nb--;
+    if (__builtin_expect(shmkv_dbg->plant == SHMKV_PLANT_LEAK_ON_FREE, 0) && nb > 0) nb--;
     /* Tail first, as vLLM does: the chain's last block becomes the least recently used,
      * so eviction of cached blocks eats a chain from its end and the head (the part
      * other prompts share) stays findable. */
@@ -157,7 +157,7 @@ static int shmkv_seq_plan(shmkv_ctx_t *c, uint32_t slot, uint64_t n, shmkv_grow_
         int32_t b = shmkv_table(c, slot)[bi];
         if (!shmkv_block_ok(c, b)) return SHMKV_ECORRUPT;
         if (shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) > 1
-                && __builtin_expect(shmkv_plant != SHMKV_PLANT_NO_COW, 1)) {
+                && __builtin_expect(shmkv_dbg->plant != SHMKV_PLANT_NO_COW, 1)) {
             pl->cow = 1;
             pl->cow_index = bi;
         }

@@ -1,0 +1,310 @@
+# cython: language_level=3
+"""shmkv._sequences: the life of a sequence and its tables.
+
+SequenceOps (above _prefix.PrefixOps in the method chain): create_sequence (from this
+process's cache of free slots, or under pool_lock, taking a prefix-cache hit), fork,
+free, sequences, seq_len, block_table, batch_block_tables, and ownership (detach, adopt,
+owner_pid).
+
+Writes (through the kernels unless said): sequence slots (state, gen, owner, priority,
+salt, table, nblocks), block ref_cnt, the free stacks and this process's caches (under
+pool_lock, or on the process-cache fast paths under its own cache_lock); seq.salt of a
+slot just created (directly: nobody else can reach it yet); seq.owner (directly, under the
+sequence lock and pool_lock).  No K/V data: that is _kvdata's.
+"""
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, INT64_MAX
+from libc.stdlib cimport malloc, free
+
+from shmkv._core cimport *
+from shmkv._prefix cimport PrefixOps, as_ids, salt_digest
+
+from .errors import CacheFullError, SequenceNotFound
+
+cnp.import_array()
+bind_debug_state()
+
+
+cdef class SequenceOps(PrefixOps):
+    def create_sequence(self, tokens=None, salt=None, *, int priority=0):
+        """Create a sequence owned by this process.
+
+        Parameters
+        ----------
+        tokens : array-like of int, optional
+            The prompt's token ids.  The sequence starts out sharing the longest run of
+            full blocks of ``tokens`` that any process has published (never the last
+            token: it must be computed); ``seq_len(sid)`` says how many tokens are
+            already there.  Append the rest with ``append(..., tokens=...)``.
+        salt : str or bytes, optional
+            Cache salt (tenant isolation): only sequences with the same salt share.
+        priority : int
+            For ``evict("priority")``: lower priorities are evicted first.
+
+        Returns
+        -------
+        int
+            Its id, unique among the live sequences of the segment.
+
+        Raises
+        ------
+        CacheFullError
+            Every sequence slot is taken.
+        """
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef int64_t sid = -1
+        cdef int st
+        cdef uint32_t slot, nfull = 0, hits = 0
+        cdef shmkv_recovery_t r
+        cdef cnp.ndarray ids = None, hashes = None
+        cdef uint64_t sd[2]
+        if priority < 0:
+            raise ValueError(f"priority: expected >= 0, got {priority}")
+        salt_digest(salt, sd)
+        if tokens is not None:
+            ids = as_ids(tokens, -1)
+            if ids.shape[0] > 1:
+                nfull = min((ids.shape[0] - 1) // c.cfg.block_size, c.cfg.max_blocks_per_seq)
+            if nfull:
+                hashes = self._chain(ids, nfull, sd)
+        if ids is None:
+            st = shmkv_pcache_create(c, <uint32_t>priority, &sid)   # no shared line
+            if st == SHMKV_OK:
+                slot = <uint32_t>(sid % c.cfg.max_seqs)
+                c.seqs[slot].salt[0] = sd[0]
+                c.seqs[slot].salt[1] = sd[1]
+                return sid
+            if st != SHMKV_EAGAIN:
+                raise_status(st, "create_sequence")
+        pool_lock(c)
+        st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
+        if st == SHMKV_ESEQFULL and shmkv_pcache_drain_all_locked(c) == SHMKV_OK:
+            st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
+        if (st == SHMKV_ESEQFULL and shmkv_any_dead_locked(c)
+                and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences):
+            st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
+        if st == SHMKV_OK:
+            shmkv_pcache_balance_locked(c)
+            slot = <uint32_t>(sid % c.cfg.max_seqs)
+            c.seqs[slot].salt[0] = sd[0]
+            c.seqs[slot].salt[1] = sd[1]
+            if ids is not None:
+                if nfull:
+                    hits = shmkv_prefix_take_locked(
+                        c, slot, <const uint64_t *>cnp.PyArray_DATA(hashes), nfull)
+                shmkv_count(c, SHMKV_C_PREFIX_QUERIES, ids.shape[0])
+                shmkv_count(c, SHMKV_C_PREFIX_HITS, hits * c.cfg.block_size)
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            if st == SHMKV_ESEQFULL:
+                raise CacheFullError(
+                    f"create_sequence: all {c.cfg.max_seqs} sequence slots are taken")
+            raise_status(st, "create_sequence")
+        return sid
+
+    def fork(self, sid):
+        """A new sequence sharing every block of `sid` copy-on-write.
+
+        The child is owned by this process.  Appends to either sequence never change
+        what the other gathers: a shared partial last block is copied before it is
+        written.
+        """
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef int64_t s = as_sid(sid), child = -1
+        cdef int st
+        cdef uint32_t slot
+        cdef shmkv_recovery_t r
+        # the parent's lock: its free may run on its owner's fast path (no pool lock)
+        seq_lock(c, s, &slot)
+        try:
+            pool_lock(c)
+        except BaseException:
+            shmkv_seq_unlock(c, slot)
+            raise
+        st = shmkv_seq_fork_locked(c, s, &child)
+        if st == SHMKV_ESEQFULL and shmkv_pcache_drain_all_locked(c) == SHMKV_OK:
+            st = shmkv_seq_fork_locked(c, s, &child)
+        if (st == SHMKV_ESEQFULL and shmkv_any_dead_locked(c)
+                and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences):
+            st = shmkv_seq_fork_locked(c, s, &child)
+        shmkv_pool_unlock(c)
+        shmkv_seq_unlock(c, slot)
+        if st != SHMKV_OK:
+            if st == SHMKV_ESEQFULL:
+                raise CacheFullError(
+                    f"fork({s}): all {c.cfg.max_seqs} sequence slots are taken")
+            raise_status(st, f"fork({s})")
+        return child
+
+    def seq_len(self, sid):
+        """Tokens in the sequence."""
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef uint32_t slot
+        cdef int64_t s = as_sid(sid)
+        cdef int st = shmkv_sid_slot(c, s, &slot)
+        cdef uint32_t n
+        if st == SHMKV_OK:
+            n = shmkv_atomic_load_u32_acquire(&c.seqs[slot].len)
+            st = shmkv_sid_slot(c, s, &slot)      # freed meanwhile? (no lock taken)
+        if st != SHMKV_OK:
+            raise_status(st, f"sequence {s}")
+        return n
+
+    def block_table(self, sid):
+        """int32 ndarray of the physical block ids of a sequence, in logical order."""
+        return self.batch_block_tables(np.array([as_sid(sid)], np.int64))[0][0]
+
+    def batch_block_tables(self, sids):
+        """Block tables of a batch, padded with -1.
+
+        Returns
+        -------
+        tables : int32 ndarray [batch, W], W the longest table of the batch
+        lens : int32 ndarray [batch], each sequence's length in tokens
+        """
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef cnp.ndarray sa
+        if (cnp.PyArray_CheckExact(sids) and cnp.PyArray_TYPE(<cnp.ndarray>sids) == cnp.NPY_INT64
+                and cnp.PyArray_NDIM(<cnp.ndarray>sids) == 1
+                and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>sids)
+                and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray>sids)):
+            sa = <cnp.ndarray>sids                  # fast path: a native int64 vector
+        elif isinstance(sids, np.ndarray):
+            if sids.ndim != 1:
+                raise ValueError(f"sids: expected a 1-d array, got shape {sids.shape}")
+            if sids.dtype.kind not in "iu" or sids.dtype.itemsize > 8:
+                raise TypeError(f"sids: expected integer ids, got dtype {sids.dtype}")
+            if sids.dtype.kind == "u" and sids.size and sids.max() > INT64_MAX:
+                raise SequenceNotFound(
+                    f"sequence {sids.max()}: unknown or freed sequence")
+            sa = np.ascontiguousarray(sids, dtype=np.int64)
+        else:
+            # every id checked as any other call checks one (no float/str/bool coercion)
+            items = list(sids)
+            if items and all(isinstance(x, (list, tuple, np.ndarray)) for x in items):
+                raise ValueError(f"sids: expected a 1-d sequence of ids, got shape "
+                                 f"{np.shape(items)}")
+            sa = np.array([as_sid(x) for x in items], dtype=np.int64)
+        cdef size_t B = <size_t>sa.shape[0]
+        cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(sa)
+        cdef cnp.npy_intp dims[2]
+        dims[0] = <cnp.npy_intp>B
+        cdef cnp.ndarray lens = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT32, 0)
+        cdef uint32_t slots_small[512]
+        cdef uint32_t *slots = slots_small
+        cdef uint32_t W = 0
+        cdef int st = SHMKV_OK
+        cdef int64_t bad = 0
+        cdef cnp.ndarray tables = None
+        if B > 512:
+            slots = <uint32_t *>malloc(sizeof(uint32_t) * B)
+            if slots == NULL:
+                raise MemoryError()
+        try:
+            pool_lock(c)
+            try:
+                st = shmkv_batch_sizes_locked(c, sp, B, slots,
+                                              <int32_t *>cnp.PyArray_DATA(lens), &W, &bad)
+                if st == SHMKV_OK:
+                    dims[1] = W
+                    tables = cnp.PyArray_EMPTY(2, dims, cnp.NPY_INT32, 0)
+                    st = shmkv_batch_copy_locked(c, sp, B, slots,
+                                                 <const int32_t *>cnp.PyArray_DATA(lens), W,
+                                                 <int32_t *>cnp.PyArray_DATA(tables), &bad)
+            finally:
+                shmkv_pool_unlock(c)
+        finally:
+            if slots != slots_small:
+                free(slots)
+        if st == SHMKV_ENOSEQ:
+            raise SequenceNotFound(f"sequence {bad}: unknown or freed sequence")
+        if st != SHMKV_OK:
+            raise_status(st, f"sequence {bad}")
+        return tables, lens
+
+    def free(self, sid):
+        """Drop a sequence; blocks whose refcount reaches 0 return to the pool."""
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef int64_t s = as_sid(sid)
+        cdef uint32_t slot
+        cdef int st
+        seq_lock(c, s, &slot)
+        st = shmkv_pcache_free(c, slot)            # exclusive blocks: into our cache
+        if st == SHMKV_OK:
+            return
+        if st != SHMKV_EAGAIN:
+            shmkv_seq_unlock(c, slot)
+            raise_status(st, f"free({s})")
+        try:
+            pool_lock(c)
+        except BaseException:
+            shmkv_seq_unlock(c, slot)
+            raise
+        st = shmkv_seq_free_locked(c, slot)        # releases the sequence lock on OK
+        if st == SHMKV_OK:
+            shmkv_pcache_balance_locked(c)
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            shmkv_seq_unlock(c, slot)
+            raise_status(st, f"free({s})")
+
+    def sequences(self):
+        """Ids of the live sequences, in slot order."""
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef uint32_t i
+        res = []
+        pool_lock(c)
+        try:
+            for i in range(c.cfg.max_seqs):
+                if c.seqs[i].state == SHMKV_SEQ_LIVE:
+                    res.append(shmkv_slot_sid(c, i))
+        finally:
+            shmkv_pool_unlock(c)
+        return res
+
+    # ---- ownership ----------------------------------------------------------------------
+    cdef int _set_owner(self, object sid, uint64_t owner) except -1:
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef int64_t s = as_sid(sid)
+        cdef uint32_t slot
+        seq_lock(c, s, &slot)       # (a free and re-create of the slot cannot slip in)
+        try:
+            pool_lock(c)
+        except BaseException:
+            shmkv_seq_unlock(c, slot)
+            raise
+        c.seqs[slot].owner = owner if owner != 1 else c.proc_token
+        shmkv_pool_unlock(c)
+        shmkv_seq_unlock(c, slot)
+        return 0
+
+    def detach(self, sid):
+        """Make a sequence owned by no process: it survives its creator, and recovery
+        never frees it, until some process adopts it."""
+        self._set_owner(sid, 0)
+
+    def adopt(self, sid):
+        """This process becomes the owner of the sequence."""
+        self._set_owner(sid, 1)
+
+    def owner_pid(self, sid):
+        """PID of the owning process, or None for a detached sequence."""
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef uint32_t slot
+        cdef int64_t s = as_sid(sid)
+        cdef uint64_t tok
+        pool_lock(c)
+        st = shmkv_sid_slot(c, s, &slot)
+        tok = c.seqs[slot].owner if st == SHMKV_OK else 0
+        pid = None
+        if tok != 0 and (tok & 0xffffffff) - 1 < c.cfg.max_procs:
+            pid = c.procs[(tok & 0xffffffff) - 1].pid
+        if st == SHMKV_OK:
+            st = shmkv_sid_slot(c, s, &slot)      # freed meanwhile (no pool lock)?
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            raise_status(st, f"sequence {s}")
+        return pid
+

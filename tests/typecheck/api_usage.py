@@ -1,0 +1,179 @@
+"""A user's script over every public call of shared/API.md and the README's extensions.
+
+Two jobs: `mypy --strict` checks it against the package's stubs (`make lint`), and
+tests/test_typing.py runs it against a real segment, so every call it types is also a
+call that works.  Usage: python api_usage.py SEGMENT_NAME (the caller unlinks it).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import shmkv
+
+
+def _kv(cfg: shmkv.CacheConfig, n: int, seed: int) -> npt.NDArray[np.float32]:
+    rng = np.random.default_rng(seed)
+    shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def sequences(cache: shmkv.KVCache) -> None:
+    """Sequences: create, fork (copy-on-write), append, gather (three forms), free."""
+    cfg = cache.config
+    k, v = _kv(cfg, 6, 1), _kv(cfg, 6, 2)
+    sid: int = cache.create_sequence()
+    cache.append(sid, k, v)
+    child: int = cache.fork(sid)
+    cache.append(child, k[:, :1], v[:, :1])          # copy-on-write of the partial block
+    kg, vg = cache.gather(sid)
+    assert np.array_equal(kg, k) and np.array_equal(vg, v)
+    k2, _ = cache.gather(child, 2, 5)
+    assert np.array_equal(k2, k[:, 2:5])
+    out = cache.gather_buffers(cache.seq_len(sid))
+    ko, vo = cache.gather(sid, out=out)
+    assert ko is out[0] and vo is out[1] and np.array_equal(vo, v)
+    assert cache.seq_len(child) == 7
+    table: npt.NDArray[np.int32] = cache.block_table(sid)
+    assert table.dtype == np.int32 and len(table) == -(-6 // cfg.block_size)
+    assert sorted(cache.sequences()) == sorted([sid, child])
+    cache.free(child)
+    cache.free(sid)
+    assert cache.sequences() == []
+
+
+def decode_loop(cache: shmkv.KVCache) -> None:
+    """reserve -> write every layer -> the zero-copy pools -> batch_block_tables."""
+    cfg = cache.config
+    a, b = cache.create_sequence(), cache.create_sequence()
+    for _ in range(3):
+        slots: npt.NDArray[np.int64] = cache.reserve(a, 1)
+        for layer in range(cfg.num_layers):
+            kl = np.full((1, cfg.num_kv_heads, cfg.head_dim), layer, np.float32)
+            cache.write(layer, slots, kl, -kl)
+        blk, off = divmod(int(slots[0]), cfg.block_size)
+        kc: npt.NDArray[Any] = cache.key_cache(cfg.num_layers - 1)
+        vc: npt.NDArray[Any] = cache.value_cache(cfg.num_layers - 1)
+        assert kc[blk, off, 0, 0] == cfg.num_layers - 1 == -vc[blk, off, 0, 0]
+    cache.reserve(b, cfg.block_size + 1)
+    tables, lens = cache.batch_block_tables([a, b])
+    assert tables.shape == (2, 2) and list(lens) == [3, cfg.block_size + 1]
+    assert tables[0, 1] == -1
+    cache.free(a)
+    cache.free(b)
+
+
+def observability_and_ownership(cache: shmkv.KVCache) -> None:
+    st = cache.stats()
+    assert st["free_blocks"] + st["used_blocks"] == st["num_blocks"]
+    for key in ("num_sequences", "peak_used_blocks", "allocations", "frees", "forks",
+                "cow_copies"):
+        assert key in st
+    assert cache.check() == []
+    sid = cache.create_sequence()
+    cache.detach(sid)
+    assert cache.owner_pid(sid) is None
+    cache.adopt(sid)
+    assert cache.owner_pid(sid) is not None
+    rec = cache.recover()
+    assert rec["sequences"] == 0 and rec["blocks"] == 0
+    cache.free(sid)
+    cache.lock_timeout = 5.0
+    assert cache.lock_timeout == 5.0
+
+
+def prefix_cache(cache: shmkv.KVCache) -> None:
+    """The README's extensions: prefix sharing, token ids, eviction, StreamingLLM trim."""
+    cfg = cache.config
+    bs = cfg.block_size
+    prompt = np.arange(3 * bs + 1, dtype=np.int64)
+    first = cache.create_sequence(tokens=prompt, salt="tenant-a", priority=1)
+    n = len(prompt)
+    cache.append(first, _kv(cfg, n, 3), _kv(cfg, n, 4), tokens=prompt)
+    assert cache.match_prefix(prompt, salt="tenant-a") == 3 * bs
+    assert cache.match_prefix(prompt, salt=b"tenant-b") == 0
+    second = cache.create_sequence(prompt, "tenant-a")
+    assert cache.seq_len(second) == 3 * bs
+    assert list(cache.token_ids(second)) == list(prompt[:3 * bs])
+    assert list(cache.token_ids(first, 1, 3)) == [1, 2]
+    cache.reserve(second, 1, tokens=[int(prompt[-1])])
+    assert cache.commit(second) == 0
+    cache.set_priority(second, 0)
+    dropped = cache.trim_streaming(first, bs, bs)
+    assert dropped == bs and cache.trimmed(first) == bs
+    evicted = cache.evict("priority", cfg.num_blocks, exclude=[first])
+    assert evicted == [second]
+    cache.free(first)
+
+
+def attention(cache: shmkv.KVCache) -> None:
+    cfg = cache.config
+    shmkv.set_num_threads(2)
+    assert shmkv.get_num_threads() == 2
+    sid = cache.create_sequence()
+    cache.append(sid, _kv(cfg, 5, 5), _kv(cfg, 5, 6))
+    hq = 2 * cfg.num_kv_heads
+    q = np.ones((1, hq, cfg.head_dim), np.float32)
+    out: npt.NDArray[np.float32] = cache.attention(0, q, [sid])
+    assert out.shape == q.shape and out.dtype == np.float32
+    qp = np.ones((3, hq, cfg.head_dim), np.float32)
+    buf = np.empty_like(qp)
+    res = cache.attention(0, qp, [sid], q_lens=[3], scale=0.5, out=buf)
+    assert res is buf
+    shmkv.set_num_threads(0)
+    cache.free(sid)
+
+
+def errors(cache: shmkv.KVCache) -> None:
+    try:
+        cache.seq_len(10**6)
+    except shmkv.SequenceNotFound as e:
+        assert isinstance(e, (shmkv.ShmkvError, KeyError))
+    else:
+        raise AssertionError("SequenceNotFound expected")
+    try:
+        shmkv.KVCache.attach(cache.name + "-absent")
+    except FileNotFoundError:
+        pass
+    else:
+        raise AssertionError("FileNotFoundError expected")
+    for exc in (shmkv.CacheFullError, shmkv.SegmentError, shmkv.LockTimeout):
+        assert issubclass(exc, shmkv.ShmkvError)
+
+
+def main(name: str) -> None:
+    cfg = shmkv.CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=64,
+                            block_size=4, dtype="float32", max_seqs=16)
+    assert cfg.bytes_per_token == 2 * 2 * 2 * 8 * 4
+    assert cfg.bytes_per_block == cfg.bytes_per_token * cfg.block_size
+    cache = shmkv.KVCache.create(name, cfg)
+    try:
+        try:
+            shmkv.KVCache.create(name, cfg)
+        except FileExistsError:
+            pass
+        else:
+            raise AssertionError("FileExistsError expected")
+        with shmkv.KVCache.attach(name) as other:
+            assert other.config == cfg and other.name == cache.name
+        assert other.closed
+        again = shmkv.KVCache.open(name, cfg)
+        again.close()
+        sequences(cache)
+        decode_loop(cache)
+        observability_and_ownership(cache)
+        prefix_cache(cache)
+        attention(cache)
+        errors(cache)
+        assert cache.check() == []
+    finally:
+        cache.unlink()
+        cache.close()
+        cache.close()                                   # idempotent
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
