@@ -16,5 +16,17 @@ __all__ = [
     "LockTimeout",
     "set_num_threads",
     "get_num_threads",
+    "RedisTier",
     "__version__",
 ]
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    # the remote tier is imported on first use: ``import shmkv`` never imports redis
+    if name == "RedisTier":
+        from .tier import RedisTier
+
+        return RedisTier
+    raise AttributeError(f"module 'shmkv' has no attribute {name!r}")
