@@ -507,6 +507,18 @@ cdef class PrefixOps(InspectOps):
             if v:
                 shmkv_count(c, which, <uint64_t>v)
 
+    def _tier_hashes(self, tokens, salt=None):
+        """The block-hash chain ([nfull, 2] uint64) that create_sequence(tokens, salt)
+        looks up: the tier's keys (benchmarks, tests)."""
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef cnp.ndarray ids = as_ids(tokens, -1)
+        cdef uint64_t sd[2]
+        cdef uint32_t nfull = 0
+        salt_digest(salt, sd)
+        if ids.shape[0] > 1:
+            nfull = min((ids.shape[0] - 1) // c.cfg.block_size, c.cfg.max_blocks_per_seq)
+        return self._chain(ids, nfull, sd)
+
     def _tier_layout(self):
         """What the tier's layout fingerprint is made of: the model dims, dtype, block
         size, block-hash function and seed of this segment."""

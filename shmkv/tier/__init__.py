@@ -188,6 +188,7 @@ class _Binding:
         self.thread: Optional[threading.Thread] = None
         self.pid = os.getpid()
         self.closed = False
+        self.local = threading.local()       # .loading: this thread is landing tier blocks
 
     # ---- bookkeeping ---------------------------------------------------------------
     def _count(self, cache: Any, *, hits: int = 0, misses: int = 0, errors: int = 0,
@@ -223,8 +224,8 @@ class _Binding:
         """Called by the handle (append / commit) with the hashes of blocks it just
         published, under that sequence's lock: a queue put, nothing more."""
         try:
-            if self.closed:
-                return
+            if self.closed or getattr(self.local, "loading", False):
+                return                        # (blocks the tier itself just gave us)
             if self.pid != os.getpid():
                 self._forked()
             self.q.put_nowait(hashes)
@@ -379,7 +380,11 @@ class _Binding:
             if self.pid != os.getpid():
                 self._forked()
             with self.rlock:
-                return self._extend(cache, sid, ids, salt, hashes, hits)
+                self.local.loading = True
+                try:
+                    return self._extend(cache, sid, ids, salt, hashes, hits)
+                finally:
+                    self.local.loading = False
         except Exception:
             self._count(cache, errors=1)
             return hits
