@@ -488,6 +488,8 @@ cdef class PrefixOps(InspectOps):
         cdef uint32_t n = <uint32_t>min(hashes.shape[0], c.cfg.max_blocks_per_seq)
         pool_lock(c)
         st = shmkv_seq_create_locked(c, 0, &sid)
+        if st == SHMKV_ESEQFULL and shmkv_pcache_drain_all_locked(c) == SHMKV_OK:
+            st = shmkv_seq_create_locked(c, 0, &sid)    # slots the process caches keep
         if st == SHMKV_OK:
             slot = <uint32_t>(sid % c.cfg.max_seqs)
             c.seqs[slot].flags |= SHMKV_SEQF_UNTRACKED

@@ -141,10 +141,36 @@ class RedisTier:
         self.close_timeout = close_timeout
         self._stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
+        self._idle: List[Transport] = []      # readers of closed bindings, kept warm
+        self._pid = os.getpid()
 
     def transport(self) -> Transport:
         return Transport(self.url, cluster=self.cluster, timeout=self.timeout,
                          connect_timeout=self.connect_timeout)
+
+    def _take_reader(self) -> Transport:
+        """A reader transport: a warm one a closed binding gave back (its topology,
+        sockets and value buffers), else a new one."""
+        with self._lock:
+            if self._pid != os.getpid():          # a forked child: none of these is ours
+                self._idle, self._pid = [], os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        return self.transport()
+
+    def _give_reader(self, t: Transport) -> None:
+        with self._lock:
+            if self._pid == os.getpid() and len(self._idle) < 4:
+                self._idle.append(t)
+                return
+        t.close()
+
+    def close(self) -> None:
+        """Closes the connections kept warm (the handles using the tier keep theirs)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for t in idle:
+            t.close()
 
     def _bind(self, cache: Any) -> "_Binding":
         return _Binding(self, cache)
@@ -174,9 +200,9 @@ class _Binding:
         self.layout = Layout(cache._tier_layout(), cache.config.numpy_dtype)
         self.cache_ref = weakref.ref(cache)
         self.breaker = _Breaker(*tier.backoff)
-        self.reader = tier.transport()
+        self.reader = tier._take_reader()
         self.rlock = threading.Lock()
-        self.rbufs: List[np.ndarray] = []
+        self.rbufs: List[np.ndarray] = self.reader.bufs.setdefault(self.layout.size, [])
         self.q: queue.Queue[Optional[np.ndarray]] = queue.Queue(tier.max_queue)
         self.cond = threading.Condition()
         self.enqueued = 0
@@ -218,6 +244,7 @@ class _Binding:
         self.enqueued = self.done = 0
         self.rlock = threading.Lock()
         self.reader = self.tier.transport()
+        self.rbufs = []
 
     # ---- write-through: the caller's side -------------------------------------------
     def enqueue(self, hashes: np.ndarray) -> None:
@@ -272,7 +299,10 @@ class _Binding:
                     pass
                 self.thread.join(timeout=self.tier.timeout * 4 + 1)
             self.thread = None
-            self.reader.close()
+            if self.pid == os.getpid():
+                self.tier._give_reader(self.reader)
+            else:
+                self.reader.close()
 
     # ---- write-through: the writer thread -------------------------------------------
     def _run(self) -> None:

@@ -177,6 +177,7 @@ class Transport:
         self._rc: Any = None
         self._nodes: Dict[Tuple[str, int], _Node] = {}
         self._lock = threading.Lock()
+        self.bufs: Dict[int, List[Any]] = {}      # value buffers by size, for their user
 
     # ---- topology (redis-py) ---------------------------------------------------------
     def _topology(self) -> Any:
