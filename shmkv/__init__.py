@@ -20,7 +20,10 @@ __all__ = [
     "__version__",
 ]
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .tier import RedisTier as RedisTier
 
 
 def __getattr__(name: str) -> Any:
