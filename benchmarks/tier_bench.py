@@ -166,7 +166,7 @@ def load_section(cluster, sizes, reps):
                 prompts[n, r] = toks
         # warm-up, untimed: connections, topology, buffers (the first prompt, both ways)
         n0 = sizes[0]
-        for c in range(2):
+        for _ in range(2):
             drop_local(b)
             b.free(b.create_sequence(tokens=prompts[n0, 0]))
             drop_local(b)
@@ -221,7 +221,7 @@ def decode_section(cluster, rounds, steps, ctx=512, batch=4):
     res = {"off": [], "on": []}
     try:
         sids, next_tok = [], []
-        for i in range(batch):
+        for _ in range(batch):
             toks = rng.integers(0, 32000, ctx)
             s = a.create_sequence()
             k = rng.standard_normal((32, ctx, 8, 128)).astype(np.float16)
@@ -282,9 +282,8 @@ def ttft_section(cluster, lengths, reps):
     for length in lengths:
         cfg = config_for(model.config, num_blocks=(length // 16 + 8) * (2 * reps + 4),
                          block_size=16, max_seqs=16)
-        mk = lambda tag: shmkv.KVCache.create(  # noqa: E731
-            f"shmkv-bench-ttft-{tag}-{uuid.uuid4().hex[:6]}", cfg, hash_seed=SEED)
-        a, b = mk("a"), mk("b")
+        a, b = (shmkv.KVCache.create(f"shmkv-bench-ttft-{tag}-{uuid.uuid4().hex[:6]}", cfg,
+                                     hash_seed=SEED) for tag in "ab")
         a.set_tier(shmkv.RedisTier(cluster.url, timeout=5.0))
         b.set_tier(shmkv.RedisTier(cluster.url, timeout=5.0))
         g = torch.Generator().manual_seed(length)

@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import _unlink, unique_name
 
 import shmkv
-from conftest import _unlink, unique_name
 
 redis = pytest.importorskip("redis")
 from shmkv.tier.cluster import LocalCluster, free_ports, redis_available  # noqa: E402

@@ -345,9 +345,11 @@ class _Binding:
         lay = self.layout
         bs = lay.block_size
         todo = []
+        batch: set[bytes] = set()
         for h in np.concatenate(items):
             key = lay.key(int(h[0]), int(h[1]))
-            if not self._seen(key) and key not in {k for _, k in todo}:
+            if not self._seen(key) and key not in batch:
+                batch.add(key)
                 todo.append((h, key))
         if not todo:
             return
