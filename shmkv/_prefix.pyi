@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 from ._inspect import InspectOps
 
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
 
 _Sid = Union[int, np.integer[Any]]
 
+@disjoint_base
 class PrefixOps(InspectOps):
     def match_prefix(self, tokens: npt.ArrayLike, salt: str | bytes | None = None) -> int: ...
     def commit(self, sid: _Sid) -> int: ...

@@ -431,11 +431,11 @@ class _Binding:
             # (nfull of these tokens is exactly hits: no tier lookup inside)
             tmp = cache.create_sequence(tokens=ids[:hits * bs + 1], salt=salt)
             target = tmp
-            start = cache.seq_len(tmp) // bs
+            start = int(cache.seq_len(tmp)) // bs
         else:
             target = sid
-            start = hits
-        i = start
+            start = int(hits)
+        i: int = start
         try:
             window = 4
             while i < nfull:
@@ -445,7 +445,7 @@ class _Binding:
                 bufs = self.rbufs[:n]
                 keys = [lay.key(int(hashes[i + j, 0]), int(hashes[i + j, 1])) for j in range(n)]
                 try:
-                    kinds = self.reader.get_many(keys, [memoryview(b) for b in bufs])
+                    kinds = self.reader.get_many(keys, [b.data for b in bufs])
                 except TierIOError:
                     self.breaker.fail()
                     self._count(cache, errors=1)

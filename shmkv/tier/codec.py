@@ -73,7 +73,7 @@ class Layout:
                           HEADER + self.tok_bytes + self.kv_bytes).reshape(self.shape)
         return toks, k, v
 
-    def seal(self, buf: bytearray, h0: int, h1: int) -> None:
+    def seal(self, buf: Any, h0: int, h1: int) -> None:
         """Writes the header of a value whose payload is in place."""
         mv = memoryview(buf)
         _HDR.pack_into(buf, 0, MAGIC, VERSION, HEADER, self.fingerprint,
