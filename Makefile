@@ -35,11 +35,12 @@ endif
 # A 3-master Redis Cluster on 127.0.0.1:7000-7002 (data and PIDs under $(CLUSTER_DIR)).
 CLUSTER_DIR ?= /tmp/shmkv-cluster
 CLUSTER_PORTS ?= 7000,7001,7002
+# (run from /tmp: in the checkout, the source tree would shadow the installed package)
 cluster: install redis
-	$(PY) -m shmkv.tier.cluster start --ports $(CLUSTER_PORTS) --dir $(CLUSTER_DIR)
+	cd /tmp && $(abspath $(PY)) -m shmkv.tier.cluster start --ports $(CLUSTER_PORTS) --dir $(CLUSTER_DIR)
 
 cluster-stop: install
-	$(PY) -m shmkv.tier.cluster stop --dir $(CLUSTER_DIR)
+	cd /tmp && $(abspath $(PY)) -m shmkv.tier.cluster stop --dir $(CLUSTER_DIR)
 
 # Two segments standing for two hosts, one cluster (make cluster first).
 two-hosts: install
