@@ -414,3 +414,35 @@ def test_checksum_and_codec_reject_everything_but_the_value():
     assert lay.key(5, 6) != other.key(5, 6)
     struct.pack_into("<I", buf, 8, 2)
     assert lay.check(buf, 5, 6, None) == "magic"
+
+
+def test_maxmemory_reached_is_counted_then_recovers(hosts, cluster):
+    a, b = hosts(), hosts()
+    a.set_tier(tier(cluster))
+    b.set_tier(tier(cluster))
+    rs = [redis.Redis(host="127.0.0.1", port=p) for p in cluster.ports]
+    try:
+        for r in rs:
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", "1")            # every write refused: -OOM
+        prefill(a, np.arange(3000, 3033))
+        a.flush_tier(10)                               # no exception; counted
+        assert tstats(a)["tier_errors"] >= 1
+        assert b.match_prefix(np.arange(3000, 3033)) == 0
+    finally:
+        for r in rs:
+            r.config_set("maxmemory", "0")
+            r.close()
+    time.sleep(0.6)                                    # past the breaker's back-off
+    deadline = time.monotonic() + 10
+    base = 4000
+    while time.monotonic() < deadline:
+        toks = np.arange(base, base + 33)
+        prefill(a, toks)
+        a.flush_tier(10)
+        if b.match_prefix(toks) == 32:
+            break
+        base += 100
+        time.sleep(0.2)
+    assert b.match_prefix(toks) == 32
+    assert a.check() == [] and b.check() == []
