@@ -446,3 +446,36 @@ def test_maxmemory_reached_is_counted_then_recovers(hosts, cluster):
         time.sleep(0.2)
     assert b.match_prefix(toks) == 32
     assert a.check() == [] and b.check() == []
+
+
+def test_slots_moved_under_a_reader_then_hits_again(hosts, cluster):
+    a, b = hosts(), hosts()
+    a.set_tier(tier(cluster))
+    b.set_tier(tier(cluster))
+    warm = np.arange(7000, 7017)
+    prefill(a, warm)
+    a.flush_tier(10)
+    assert b.match_prefix(warm) == 16            # B's reader knows the topology now
+    toks = np.arange(8000, 8000 + 12 * 8 + 1)
+    _, k, _ = prefill(a, toks, seed=5)
+    a.flush_tier(10)
+    ids = [subprocess.run(["redis-cli", "-p", str(p), "cluster", "myid"], capture_output=True,
+                          text=True, timeout=10).stdout.strip() for p in cluster.ports[:2]]
+    # every slot of master 0 moves to master 1 (its keys with them): B's map is stale
+    subprocess.run(["redis-cli", "--cluster", "reshard", f"127.0.0.1:{cluster.ports[0]}",
+                    "--cluster-from", ids[0], "--cluster-to", ids[1], "--cluster-slots",
+                    "5461", "--cluster-yes"], check=True, capture_output=True, timeout=120)
+    cluster.wait_ok()
+    got = b.match_prefix(toks)                   # MOVED: a counted error, never raised
+    assert got % 8 == 0 and got < 96
+    assert tstats(b)["tier_errors"] >= 1
+    deadline = time.monotonic() + 10
+    while got < 96 and time.monotonic() < deadline:
+        time.sleep(0.3)                          # past the breaker; the topology re-read
+        got = b.match_prefix(toks)
+    assert got == 96
+    sb = b.create_sequence(tokens=toks)
+    kb, _ = b.gather(sb)
+    assert np.array_equal(kb, k[:, :96])
+    b.free(sb)
+    assert b.check() == []
