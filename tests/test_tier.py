@@ -479,3 +479,33 @@ def test_slots_moved_under_a_reader_then_hits_again(hosts, cluster):
     assert np.array_equal(kb, k[:, :96])
     b.free(sb)
     assert b.check() == []
+
+
+def test_a_corrupt_value_while_the_next_window_is_in_flight(hosts, cluster):
+    a, b = hosts(), hosts()
+    a.set_tier(tier(cluster))
+    b.set_tier(tier(cluster))
+    toks = np.arange(20_000, 20_000 + 20 * 8 + 1)          # 20 blocks: windows 4, 8, 8
+    _, k, _ = prefill(a, toks, seed=9)
+    assert a.flush_tier(10) == 20
+    from shmkv.tier.codec import Layout
+
+    lay = Layout(b._tier_layout(), b.config.numpy_dtype)
+    h = b._tier_hashes(toks)
+    key = lay.key(int(h[6, 0]), int(h[6, 1]))             # block 6: in the second window
+    val = bytearray(_get(cluster, key))
+    val[-1] ^= 0xFF
+    _put(cluster, key, bytes(val))
+    sb = b.create_sequence(tokens=toks)
+    assert b.seq_len(sb) == 48
+    kb, _ = b.gather(sb)
+    assert np.array_equal(kb, k[:, :48])
+    st = tstats(b)
+    assert st["tier_hits"] == 6 and st["tier_misses"] == 1 and st["tier_errors"] == 0
+    # the replies asked ahead were drained: the connection answers the next request right
+    toks2 = np.arange(30_000, 30_000 + 9 * 8 + 1)
+    prefill(a, toks2, seed=10)
+    a.flush_tier(10)
+    assert b.match_prefix(toks2) == 72
+    b.free(sb)
+    assert b.check() == []

@@ -104,7 +104,8 @@ class RedisTier:
     batch_blocks : int
         Blocks per write batch (pipelined, pinned at once; default 16).
     max_window : int
-        Most blocks asked for in one read round trip (default 32).
+        Most blocks asked for in one read round trip (default 16; two windows of value
+        buffers are kept per handle: the next window is asked for while one is landed).
     backoff : (float, float)
         The circuit breaker's first and longest back-off, seconds (default 0.5, 5.0).
     close_timeout : float
@@ -118,7 +119,7 @@ class RedisTier:
     def __init__(self, url: str = "redis://127.0.0.1:7000", *, cluster: bool = True,
                  timeout: float = 1.0, connect_timeout: float = 0.5,
                  ttl: Optional[int] = None, max_queue: int = 4096, batch_blocks: int = 16,
-                 max_window: int = 32, backoff: tuple[float, float] = (0.5, 5.0),
+                 max_window: int = 16, backoff: tuple[float, float] = (0.5, 5.0),
                  close_timeout: float = 5.0) -> None:
         try:
             import redis  # noqa: F401  (the topology client; fail here, not in a hook)
@@ -203,6 +204,7 @@ class _Binding:
         self.reader = tier._take_reader()
         self.rlock = threading.Lock()
         self.rbufs: List[np.ndarray] = self.reader.bufs.setdefault(self.layout.size, [])
+        self.rbufs2: List[np.ndarray] = self.reader.bufs.setdefault(-self.layout.size, [])
         self.q: queue.Queue[Optional[np.ndarray]] = queue.Queue(tier.max_queue)
         self.cond = threading.Condition()
         self.enqueued = 0
@@ -245,6 +247,7 @@ class _Binding:
         self.rlock = threading.Lock()
         self.reader = self.tier.transport()
         self.rbufs = []
+        self.rbufs2 = []
 
     # ---- write-through: the caller's side -------------------------------------------
     def enqueue(self, hashes: np.ndarray) -> None:
@@ -399,6 +402,16 @@ class _Binding:
                 self.written += stored
 
     # ---- reads -----------------------------------------------------------------------
+    def _ask(self, lay: Layout, hashes: np.ndarray, first: int, n: int,
+             bufs: List[np.ndarray]) -> tuple[int, int, List[bytes], Any]:
+        """Sends the GETs of blocks [first, first + n) (replies into bufs later)."""
+        n = min(n, self.tier.max_window)
+        while len(bufs) < n:
+            bufs.append(_value_buffer(lay))
+        keys = [lay.key(int(hashes[first + j, 0]), int(hashes[first + j, 1]))
+                for j in range(n)]
+        return first, n, keys, self.reader.get_send(keys)
+
     def extend(self, cache: Any, sid: Optional[int], ids: np.ndarray, salt: Any,
                hashes: np.ndarray, hits: int) -> int:
         """Extends a local hit of ``hits`` blocks (of ``len(hashes)`` full blocks of
@@ -436,16 +449,25 @@ class _Binding:
             target = sid
             start = int(hits)
         i: int = start
+        sets: List[List[np.ndarray]] = [self.rbufs, self.rbufs2]
+        pending = None                        # (first block, n, keys, request) sent ahead
         try:
             window = 4
             while i < nfull:
-                n = min(window, nfull - i, self.tier.max_window)
-                while len(self.rbufs) < n:
-                    self.rbufs.append(_value_buffer(lay))
-                bufs = self.rbufs[:n]
-                keys = [lay.key(int(hashes[i + j, 0]), int(hashes[i + j, 1])) for j in range(n)]
                 try:
-                    kinds = self.reader.get_many(keys, [b.data for b in bufs])
+                    if pending is None:
+                        pending = self._ask(lay, hashes, i, min(window, nfull - i), sets[0])
+                    first, n, keys, req = pending
+                    pending = None
+                    bufs = sets[0][:n]
+                    kinds = self.reader.get_recv(req, [b.data for b in bufs])
+                    window *= 2
+                    nxt = first + n
+                    if nxt < nfull and all(k == "bulk" for k in kinds):
+                        # the next window goes out now: the servers answer while the
+                        # values of this one are checked and landed (double buffering)
+                        pending = self._ask(lay, hashes, nxt, min(window, nfull - nxt),
+                                            sets[1])
                 except TierIOError:
                     self.breaker.fail()
                     self._count(cache, errors=1)
@@ -477,16 +499,22 @@ class _Binding:
                     self._count(cache, hits=loaded, bytes_in=got)
                 elif got:
                     self._count(cache, bytes_in=got)
-                if stop == "pool_full":
-                    self.tier._count(pool_full=1)
-                    return i
                 if stop is not None:
-                    if stop == "server_error":
+                    if pending is not None:           # drain what was asked ahead
+                        try:
+                            self.reader.get_recv(pending[3],
+                                                 [b.data for b in sets[1][:pending[1]]])
+                        except TierIOError:
+                            self.breaker.fail()
+                        pending = None
+                    if stop == "pool_full":
+                        self.tier._count(pool_full=1)
+                    elif stop == "server_error":
                         self._count(cache, errors=1)
                     else:
                         self._count(cache, misses=1, **{stop: 1})
                     return i
-                window *= 2
+                sets.reverse()
             return i
         finally:
             if tmp is not None:

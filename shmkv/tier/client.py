@@ -253,7 +253,11 @@ class Transport:
                              + b"$%d\r\n" % len(memoryview(v).cast("B")))
                 parts.append(v)
                 parts.append(b"\r\n" + extra if extra else b"\r\n")
-            node.send(parts)
+            try:
+                node.send(parts)
+            except TierIOError:
+                self.refresh()
+                raise
         stored = 0
         errors: List[str] = []
         for addr, idx in groups.items():
@@ -276,19 +280,37 @@ class Transport:
             raise TierIOError(f"{len(errors)} SET(s) refused: {errors[0]}")
         return stored
 
-    def get_many(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> List[str]:
+    def get_many(self, keys: Sequence[bytes], dests: Sequence[Any]) -> List[str]:
         """GET every key into its destination buffer (pipelined per node).  Returns per
         key "bulk" (read, exactly the buffer's size), "nil" (absent), "size" (present
         with another size: a truncated or foreign value) or "err"."""
+        return self.get_recv(self.get_send(keys), dests)
+
+    def get_send(self, keys: Sequence[bytes]) -> Any:
+        """The request half of get_many: the GETs go out to every node at once (the
+        caller may work while the servers answer).  Pass the result to get_recv."""
         groups = self._group(keys)
-        for addr, idx in groups.items():
-            node = self._nodes[addr]
-            node.send([b"".join(b"*2\r\n$3\r\nGET\r\n" + _bulk(keys[i]) for i in idx)])
-        out = ["err"] * len(keys)
-        deadline = time.monotonic() + self.timeout * (2 + len(keys))
+        try:
+            for addr, idx in groups.items():
+                node = self._nodes[addr]
+                node.send([b"".join(b"*2\r\n$3\r\nGET\r\n" + _bulk(keys[i]) for i in idx)])
+        except TierIOError:
+            self.refresh()
+            raise
+        return len(keys), groups
+
+    def get_recv(self, sent: Any, dests: Sequence[Any]) -> List[str]:
+        """The reply half of get_many (every reply of a get_send must be read, in
+        order, before the next request on these connections)."""
+        n, groups = sent
+        out = ["err"] * n
+        deadline = time.monotonic() + self.timeout * (2 + n)
         moved = False
         for addr, idx in groups.items():
-            node = self._nodes[addr]
+            node = self._nodes.get(addr)
+            if node is None:
+                self._fail(f"GET replies from {addr[0]}:{addr[1]}: connection gone")
+            assert node is not None
             try:
                 for i in idx:
                     kind, what = node.reply(dests[i])
