@@ -15,7 +15,8 @@ does, so none is reused while it reads), gathers each block's K, V and token ids
 value (see codec.py), drops the pin and stores the batch with pipelined ``SET``s.
 
 **Reads.** ``create_sequence(tokens=)`` and ``match_prefix(tokens)`` ask the tier for the
-blocks after the local hit, a window at a time (4, 8, 16 ... pipelined ``GET``s), stop
+blocks after the local hit, a window at a time (4, 8, 16 pipelined ``GET``s; the next
+window is asked for while the current one is checked and landed), stop
 at the first block it lacks, check each value whole (size, magic, fingerprint, block
 hash, token ids, checksum) before any of it lands, and append it to the sequence with
 its token ids: the block is published locally, for every process of the host.
