@@ -170,6 +170,7 @@ cdef class DataOps(SequenceOps):
         cdef uint8_t *kb = <uint8_t *>cnp.PyArray_DATA(ka)
         cdef uint8_t *vb = <uint8_t *>cnp.PyArray_DATA(va)
         cdef cnp.ndarray ids = None if tokens is None else as_ids(tokens, n)
+        cdef uint32_t before
         self._lock_and_grow(c, s, n, &slot, &pl)
         try:
             if ids is None:
@@ -189,9 +190,12 @@ cdef class DataOps(SequenceOps):
             shmkv_seq_touch(c, slot)
             shmkv_count_proc(c, SHMKV_PC_APPENDED, n)
             if c.seqs[slot].hash_ready > c.seqs[slot].hashed:
+                before = c.seqs[slot].hashed
                 pool_lock(c)
                 shmkv_seq_publish_locked(c, slot)
                 shmkv_pool_unlock(c)
+                if self._tier is not None:          # write-through: a queue put, no I/O
+                    self._tier_published(c, slot, before)
         finally:
             shmkv_seq_unlock(c, slot)
 
