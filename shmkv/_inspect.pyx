@@ -153,7 +153,7 @@ cdef list _check_locked(shmkv_ctx_t *c):
     cdef uint32_t NB = c.cfg.num_blocks, NS = c.cfg.max_seqs, NP = c.cfg.max_procs
     cdef uint32_t i, j, b, s, nb, ln, want, top, cc, live = 0, nfree_slots, nprocs = 0
     cdef uint32_t ncache = 0
-    cdef uint64_t tok
+    cdef uint64_t tok, first_ev, n_ev
     cdef uint32_t *cnt = <uint32_t *>malloc(sizeof(uint32_t) * NB + 4)
     cdef uint8_t *mark = <uint8_t *>malloc(NB + 1)
     cdef uint8_t *smark = <uint8_t *>malloc(NS + 1)
@@ -313,6 +313,12 @@ cdef list _check_locked(shmkv_ctx_t *c):
                 bad.append(f"index[{i}]: block {b} does not carry this hash")
         if n_idx != c.sh.index_used:
             bad.append(f"index: {n_idx} entries, index_used says {c.sh.index_used}")
+        # the KV event ring: no torn or unstamped event in the window (kernels/events.h)
+        first_ev = 0
+        n_ev = shmkv_events_check_locked(c, &first_ev)
+        if n_ev:
+            bad.append(f"event ring: {n_ev} events of the window are torn or unstamped "
+                       f"(first: seq {first_ev})")
     finally:
         free(cnt)
         free(mark)
