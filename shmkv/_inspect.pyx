@@ -433,7 +433,8 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
         num_sequences=len(seqs), num_processes=sh.num_procs, peak_used_blocks=sh.peak_used,
         index_entries=sh.index_used, last_recovery_s=sh.last_recovery_ns / 1e9,
         max_recovery_s=sh.max_recovery_ns / 1e9, counters=counters,
-        processes=procs, sequences=seqs, ref_cnt=refcnt, block_flags=flags)
+        processes=procs, sequences=seqs, ref_cnt=refcnt, block_flags=flags,
+        events=dict(capacity=c.cfg.event_capacity, head=shmkv_event_head(c)))
 
 
 # --------------------------------------------------------------------------------------
