@@ -1,6 +1,8 @@
 # Stubs of shmkv._events (the KV event ring; see _events.pyx).
 from typing import Optional, Tuple
 
+from typing_extensions import disjoint_base
+
 from ._core import Segment
 from .events import EventBatch
 
@@ -10,6 +12,7 @@ def read(cache: Segment, since: int = ..., max_events: Optional[int] = ...) -> E
 def ring_info(cache: Segment) -> Tuple[int, int]: ...
 def reset_prefix_cache(cache: Segment) -> int: ...
 
+@disjoint_base
 class EventReader:
     @property
     def name(self) -> str: ...

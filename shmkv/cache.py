@@ -183,7 +183,7 @@ class KVCache(DataOps):
             With the ring off (capacity 0): ``([], 0, 0)``.  A ``since`` past the
             newest event gives ``([], next, 0)``, ``next`` being the next seq.
         """
-        return _events.read(self, since, max_events)  # type: ignore[no-any-return]
+        return _events.read(self, since, max_events)
 
     def reset_prefix_cache(self) -> int:
         """Drop every hash from the host's prefix index (vLLM's ``reset_prefix_cache``).
@@ -192,7 +192,7 @@ class KVCache(DataOps):
         are no longer findable.  Writes one ``"cleared"`` event.  Returns the number of
         hashes dropped.
         """
-        return _events.reset_prefix_cache(self)  # type: ignore[no-any-return]
+        return _events.reset_prefix_cache(self)
 
     def __enter__(self) -> "KVCache":
         return self

@@ -18,10 +18,10 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Deque, Iterable, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 if TYPE_CHECKING:
-    from .vllm_events import KVCacheEvent
+    from .vllm_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["Event", "EventBatch", "VLLM_VERSION", "to_vllm", "ZmqEventPublisher"]
 
@@ -61,7 +61,8 @@ class EventBatch(NamedTuple):
     """Events with ``seq >= since`` overwritten before they could be read."""
 
 
-def to_vllm(events: Iterable[Event], medium: Optional[str] = "CPU") -> List[KVCacheEvent]:
+def to_vllm(events: Iterable[Event], medium: Optional[str] = "CPU"
+            ) -> List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
     """shmkv events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``.
 
     Consecutive "stored" events that chain (each one's parent is the previous one's
@@ -72,7 +73,7 @@ def to_vllm(events: Iterable[Event], medium: Optional[str] = "CPU") -> List[KVCa
     """
     from .vllm_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-    out: List[Any] = []
+    out: List[Union[BlockStored, BlockRemoved, AllBlocksCleared]] = []
     for ev in events:
         last = out[-1] if out else None
         if ev.kind == "stored":
@@ -120,7 +121,7 @@ class ZmqEventPublisher:
         import zmq
 
         self._zmq = zmq
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._pub: Any = None
         self._replay: Any = None
         try:

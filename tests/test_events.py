@@ -9,12 +9,12 @@ import sys
 import time
 from typing import Any, List, Optional, Union
 
+import event_workers as W
 import numpy as np
 import pytest
-
-import event_workers as W
-import shmkv
 from conftest import SMALL, unique_name
+
+import shmkv
 
 BS = SMALL["block_size"]
 
