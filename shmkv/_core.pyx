@@ -534,7 +534,7 @@ def set_crash_point(name, long countdown=1):
     debug_state().crash_id = i
 
 
-PLANTED_BUGS = ("no_recovery", "early_publish", "no_cow", "leak_on_free")
+PLANTED_BUGS = ("no_recovery", "early_publish", "no_cow", "leak_on_free", "torn_event")
 
 
 def plant_bug(name):

@@ -89,6 +89,7 @@ PLANTED = {
     "early_publish": {"garbage", "torn_publish", "lost_tokens"},
     "no_cow": {"lost_tokens", "garbage"},
     "leak_on_free": {"invariant", "leak"},
+    "torn_event": {"bad_event"},
 }
 
 

@@ -61,7 +61,8 @@ static const char *SHMKV_CRASH_NAMES[] = { "none", SHMKV_CRASH_POINTS(SHMKV_X_NA
 /* Planted bugs: the chaos harness must catch each of them (proof that it can fail).
  * Process-local; off unless plant_bug() is called. */
 enum { SHMKV_PLANT_NONE = 0, SHMKV_PLANT_NO_RECOVERY = 1, SHMKV_PLANT_EARLY_PUBLISH = 2,
-       SHMKV_PLANT_NO_COW = 3, SHMKV_PLANT_LEAK_ON_FREE = 4 };
+       SHMKV_PLANT_NO_COW = 3, SHMKV_PLANT_LEAK_ON_FREE = 4,
+       SHMKV_PLANT_TORN_EVENT = 5 /* an event's seq published before its record */ };
 
 /* The switches of both (process-local, never shared).  The kernels are static, so every
  * extension module that compiles them has its own copy of every static variable: the

@@ -41,10 +41,17 @@ static void shmkv_event_emit_locked(shmkv_ctx_t *c, uint32_t kind, const uint64_
     shmkv_event_ring_t *r = shmkv__ev_ring(c);
     uint64_t seq = r->head;                     /* ours alone: pool_lock */
     shmkv_event_t *e = shmkv__ev_slot(c, seq);
-    /* seqlock write: invalidate, then (release fence: the stamp's 0 is ordered before
-     * every byte below) fill, then the stamp (release), then head (release) */
-    __atomic_store_n(&e->stamp, 0, __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_RELEASE);
+    /* the planted bug the chaos harness must catch: seq visible before the record */
+    int torn = __builtin_expect(shmkv_dbg->plant == SHMKV_PLANT_TORN_EVENT, 0);
+    if (torn) {
+        __atomic_store_n(&e->stamp, seq + 1, __ATOMIC_RELEASE);
+        __atomic_store_n(&r->head, seq + 1, __ATOMIC_RELEASE);
+    } else {
+        /* seqlock write: invalidate, then (release fence: the stamp's 0 is ordered
+         * before every byte below) fill, then the stamp (release), then head (release) */
+        __atomic_store_n(&e->stamp, 0, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+    }
     if (ntok > c->cfg.block_size) ntok = c->cfg.block_size;
     e->kind = kind;
     e->num_tokens = ntok;
@@ -55,8 +62,9 @@ static void shmkv_event_emit_locked(shmkv_ctx_t *c, uint32_t kind, const uint64_
     e->flags = parent ? SHMKV_EVF_PARENT : 0;
     e->block = block;
     e->time_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
+    SHMKV_CRASH(EVENT_MID);                     /* header written, token ids not */
     if (ntok) memcpy((uint8_t *)e + sizeof(shmkv_event_t), tokens, (size_t)ntok * 4u);
-    SHMKV_CRASH(EVENT_MID);
+    if (torn) return;
     __atomic_store_n(&e->stamp, seq + 1, __ATOMIC_RELEASE);
     __atomic_store_n(&r->head, seq + 1, __ATOMIC_RELEASE);
 }

@@ -52,6 +52,11 @@ def _fmt_s(ns):
     return f"{ns / 1e9:.4f}"
 
 
+# a planted bug that only a death at one point makes visible: half the armed workers
+# get that point (the others keep every point covered)
+PLANT_AIM = {"torn_event": "event_mid"}
+
+
 class Controller(Audits, EventAudits, Report):
 
     def __init__(self, args):
@@ -201,9 +206,11 @@ class Controller(Audits, EventAudits, Report):
             need = min(self.cp_deaths.values())
             cands = [p for p in self.points if self.cp_deaths[p] == need]
             crash = self.rng.choice(cands)
+            if PLANT_AIM.get(a.plant) and self.rng.random() < 0.5:
+                crash = PLANT_AIM[a.plant]      # where the planted bug shows
             hi = {"recover_mid": 3, "create_mid": 4, "fork_mid": 3, "free_mid": 3,
                   "cow_after_copy": 2, "cow_commit_mid": 2, "publish_mid": 3,
-                  "trim_mid": 2, "reset_mid": 2}.get(crash, 8)
+                  "trim_mid": 2, "reset_mid": 2, "event_mid": 4}.get(crash, 8)
             countdown = self.rng.randint(1, hi)
             self.cp_armed[crash] += 1
         args = {"name": self.name, "journal": self.J.path, "failures": self.fail_path,

@@ -118,6 +118,7 @@ class Worker(OwnOps, PoolOps):
         # points sit on paths every step takes; these two need a long tokened sequence)
         self.focus = {"publish_mid": self.focus_publish,
                       "trim_mid": self.focus_trim,
+                      "event_mid": self.focus_publish,
                       "reset_mid": self.focus_reset}.get(a.get("crash"))
         self.J.busy[self.J.busy == self.lane + 1] = 0      # left by our lane's last death
         self.resolve_lane()
