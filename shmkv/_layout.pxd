@@ -108,6 +108,8 @@ cdef extern from "_layout.h" nogil:
         SHMKV_EV_STORED, SHMKV_EV_REMOVED, SHMKV_EV_CLEARED
     enum:
         SHMKV_EVF_PARENT
+    ctypedef struct shmkv_event_ring_t:
+        uint64_t head
     ctypedef struct shmkv_event_t:
         uint64_t stamp
         uint32_t kind, num_tokens

@@ -215,6 +215,9 @@ run `shmkv recover NAME`.""")
                     help="processes attached at once (default 64)")
     sp.add_argument("--hash", choices=sorted(HASHES), help="prefix-cache block hash "
                     "(default fast)")
+    sp.add_argument("--events", dest="event_capacity", type=int, metavar="N",
+                    help="KV events kept in the segment's ring, for `shmkv events` "
+                         "(default 0: off)")
     sp.add_argument("--mode", type=lambda s: int(s, 8), default=0o600,
                     help="permission bits in octal (default 600; 660 lets the group attach)")
     sp.add_argument("--prefault", action="store_true",
