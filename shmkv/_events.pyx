@@ -83,7 +83,11 @@ cdef object _read(const shmkv_ctx_t *c, object since_obj, object max_events):
         for seq in range(since, stop):
             if not shmkv_event_read(c, seq, buf) or e.kind < SHMKV_EV_STORED \
                     or e.kind > SHMKV_EV_CLEARED:
-                lost += 1                    # overwritten while we read, or not an event
+                # overwritten while we read (writers lapped us), or not an event: the
+                # ones before it are overwritten by now too -- count them lost, so that
+                # what we return stays contiguous (events[i].seq == since + lost + i)
+                lost += len(out) + 1
+                out = []
                 continue
             if e.kind == SHMKV_EV_CLEARED:
                 out.append(Event(seq, "cleared", [], None, [], bs, e.time_ns, -1))

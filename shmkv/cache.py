@@ -180,6 +180,9 @@ class KVCache(DataOps):
             ``(events, next_seq, lost)``: the events still in the ring, in order;
             the ``since`` of the next call; how many events with ``seq >= since`` were
             overwritten (the ring keeps ``config.event_capacity``) before this read.
+            They are contiguous: ``events[i].seq == since + lost + i`` and
+            ``next_seq == since + lost + len(events)`` (writers that lap a reader
+            while it reads make it count the events before the lap as lost too).
             With the ring off (capacity 0): ``([], 0, 0)``.  A ``since`` past the
             newest event gives ``([], next, 0)``, ``next`` being the next seq.
         """

@@ -158,6 +158,33 @@ def test_lost_after_wrap_around(make_cache):
     assert cache.check() == []
 
 
+def test_a_lapped_read_stays_contiguous(make_cache):
+    """An event that fails its stamp check mid-read (here: its stamp cleared, as a
+    writer lapping the reader does) counts as lost with every event before it: what is
+    returned stays contiguous."""
+    import mmap
+
+    cache = make_cache(event_capacity=8)
+    kv = np.zeros((2, BS, 2, 8), np.float16)
+    for i in range(6):
+        sid = cache.create_sequence()
+        cache.append(sid, kv, kv, tokens=np.arange(i * BS, (i + 1) * BS))
+    lay = cache._debug_info()["layout"]
+    rec = lay["event_record_bytes"]
+    fd = os.open(f"/dev/shm/{cache.name}", os.O_RDWR)
+    try:
+        m = mmap.mmap(fd, lay["segment_size"])
+        o = lay["off_events"] + 64 + 3 * rec                # seq 3's slot (of 9)
+        m[o:o + 8] = bytes(8)
+        b = cache.events(1)
+        assert ([e.seq for e in b.events], b.next_seq, b.lost) == ([4, 5], 6, 3)
+        m[o:o + 8] = (4).to_bytes(8, "little")             # its stamp back: seq 3 + 1
+        assert [e.seq for e in cache.events(1).events] == [1, 2, 3, 4, 5]
+        m.close()
+    finally:
+        os.close(fd)
+
+
 # ---- crash safety ----------------------------------------------------------------------
 @pytest.mark.parametrize("countdown", [1, 3])
 def test_sigkill_mid_event_leaves_no_torn_event(make_cache, spawn, countdown):
