@@ -158,7 +158,7 @@ enum { SHMKV_HASH_XXH = 1, SHMKV_HASH_SHA256 = 2 };
 enum { SHMKV_COUNTERS(SHMKV_X_ENUM) SHMKV_NCOUNTERS };
 #undef SHMKV_X_ENUM
 #define SHMKV_X_NAME(id, name) name,
-static const char *SHMKV_COUNTER_NAMES[] = { SHMKV_COUNTERS(SHMKV_X_NAME) NULL };
+static const char *const SHMKV_COUNTER_NAMES[] = { SHMKV_COUNTERS(SHMKV_X_NAME) NULL };
 #undef SHMKV_X_NAME
 #define SHMKV_COUNTER_SLOTS 32       /* room to add counters without moving fields */
 

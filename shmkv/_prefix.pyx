@@ -342,7 +342,7 @@ cdef class PrefixOps(InspectOps):
     def trimmed(self, sid):
         """Tokens trim_streaming dropped from this sequence so far."""
         cdef shmkv_ctx_t *c = ctx_of(self)
-        cdef uint32_t slot
+        cdef uint32_t slot = 0
         cdef int64_t s = as_sid(sid)
         st = shmkv_sid_slot(c, s, &slot)
         if st != SHMKV_OK:

@@ -144,7 +144,7 @@ cdef class SequenceOps(PrefixOps):
         cdef uint32_t slot
         cdef int64_t s = as_sid(sid)
         cdef int st = shmkv_sid_slot(c, s, &slot)
-        cdef uint32_t n
+        cdef uint32_t n = 0
         if st == SHMKV_OK:
             n = shmkv_atomic_load_u32_acquire(&c.seqs[slot].len)
             st = shmkv_sid_slot(c, s, &slot)      # freed meanwhile? (no lock taken)
