@@ -20,6 +20,7 @@ $(DEPS): pyproject.toml
 	$(PIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "hypothesis>=6.80" "rich>=13" "Pillow>=9"
 	$(PIP) install -q "ml_dtypes>=0.3" "torch==2.13.0" "transformers==5.23.0"
 	$(PIP) install -q "redis==8.1.0"
+	$(PIP) install -q "pyzmq>=25" "msgspec>=0.18"
 	touch $@
 
 # Debian's redis-server 7 (the remote tier's tests start their own cluster from it):
@@ -87,7 +88,7 @@ fuzz: install
 
 # ruff; Cython with warnings as errors; mypy --strict on a user's script over the whole
 # API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
-STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._kvdata shmkv._attention
+STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._kvdata shmkv._attention shmkv._events
 
 lint: install
 	$(PIP) install -q ruff "mypy>=1.18"

@@ -41,7 +41,8 @@ PXD = ["shmkv/_layout.pxd", "shmkv/_core.pxd"]
 # the handle's base first, then the method chain bottom-up (each .pxd cimports the one below)
 CHAIN = [("_core", []), ("_inspect", ["_inspect"]), ("_prefix", ["_inspect", "_prefix"]),
          ("_sequences", ["_inspect", "_prefix", "_sequences"]),
-         ("_kvdata", ["_inspect", "_prefix", "_sequences"])]
+         ("_kvdata", ["_inspect", "_prefix", "_sequences"]),
+         ("_events", [])]       # the KV event ring's reader (not a link of the chain)
 
 
 def _module(name, pxds):

@@ -30,6 +30,7 @@ cdef extern from "kernels/kernels.h" nogil:
         uint64_t proc_token
         int64_t timeout_ns
         int readonly
+        uint8_t *events
 
     ctypedef struct shmkv_recovery_t:
         uint64_t processes, sequences, blocks, locks, tails, refcounts_fixed, corrupt
@@ -129,6 +130,11 @@ cdef extern from "kernels/kernels.h" nogil:
     int shmkv_any_dead_locked(shmkv_ctx_t *c)
     uint32_t shmkv_index_find_locked(shmkv_ctx_t *c, const uint64_t *h)
     int shmkv_index_insert_locked(shmkv_ctx_t *c, const uint64_t *h, uint32_t b)
+    # KV events (kernels/events.h)
+    uint64_t shmkv_event_head(const shmkv_ctx_t *c)
+    int shmkv_event_read(const shmkv_ctx_t *c, uint64_t seq, uint8_t *out)
+    uint64_t shmkv_events_check_locked(const shmkv_ctx_t *c, uint64_t *first_bad)
+    uint64_t shmkv_prefix_reset_locked(shmkv_ctx_t *c)
 
 
 # ---- the handle: the mapping, this process's attachment, the Segment base class -------

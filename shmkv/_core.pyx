@@ -128,6 +128,7 @@ cdef shmkv_config_t _cfg_struct(cfg) except *:
     c.max_procs = cfg.max_procs
     c.dtype, c.itemsize = DTYPES[cfg.dtype]
     c.hash_algo = HASHES[cfg.hash]
+    c.event_capacity = cfg.event_capacity
     return c
 
 
@@ -136,7 +137,8 @@ cdef object cfg_object(const shmkv_config_t *c):
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         num_blocks=c.num_blocks, block_size=c.block_size, dtype=_DTYPE_NAMES[c.dtype],
         max_seqs=c.max_seqs, max_seq_len=c.max_blocks_per_seq * c.block_size,
-        max_procs=c.max_procs, hash=_HASH_NAMES[c.hash_algo])
+        max_procs=c.max_procs, hash=_HASH_NAMES[c.hash_algo],
+        event_capacity=c.event_capacity)
 
 
 def _open_existing(name, read_only):
@@ -158,7 +160,8 @@ cdef dict layout_dict(const shmkv_layout_t *l):
                 off_blocks=l.off_blocks, off_free=l.off_free, off_procs=l.off_procs,
                 off_seqs=l.off_seqs, off_seq_free=l.off_seq_free, off_tables=l.off_tables,
                 off_tokens=l.off_tokens, off_index=l.off_index, off_kpool=l.off_kpool, off_vpool=l.off_vpool,
-                segment_size=l.segment_size)
+                segment_size=l.segment_size, off_events=l.off_events,
+                event_record_bytes=l.event_record_bytes)
 
 
 def layout_of(cfg):
@@ -551,7 +554,7 @@ def set_crash_point(name, long countdown=1):
     debug_state().crash_id = i
 
 
-PLANTED_BUGS = ("no_recovery", "early_publish", "no_cow", "leak_on_free")
+PLANTED_BUGS = ("no_recovery", "early_publish", "no_cow", "leak_on_free", "torn_event")
 
 
 def plant_bug(name):

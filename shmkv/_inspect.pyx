@@ -153,7 +153,7 @@ cdef list _check_locked(shmkv_ctx_t *c):
     cdef uint32_t NB = c.cfg.num_blocks, NS = c.cfg.max_seqs, NP = c.cfg.max_procs
     cdef uint32_t i, j, b, s, nb, ln, want, top, cc, live = 0, nfree_slots, nprocs = 0
     cdef uint32_t ncache = 0
-    cdef uint64_t tok
+    cdef uint64_t tok, first_ev, n_ev
     cdef uint32_t *cnt = <uint32_t *>malloc(sizeof(uint32_t) * NB + 4)
     cdef uint8_t *mark = <uint8_t *>malloc(NB + 1)
     cdef uint8_t *smark = <uint8_t *>malloc(NS + 1)
@@ -313,6 +313,12 @@ cdef list _check_locked(shmkv_ctx_t *c):
                 bad.append(f"index[{i}]: block {b} does not carry this hash")
         if n_idx != c.sh.index_used:
             bad.append(f"index: {n_idx} entries, index_used says {c.sh.index_used}")
+        # the KV event ring: no torn or unstamped event in the window (kernels/events.h)
+        first_ev = 0
+        n_ev = shmkv_events_check_locked(c, &first_ev)
+        if n_ev:
+            bad.append(f"event ring: {n_ev} events of the window are torn or unstamped "
+                       f"(first: seq {first_ev})")
     finally:
         free(cnt)
         free(mark)
@@ -427,7 +433,8 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
         num_sequences=len(seqs), num_processes=sh.num_procs, peak_used_blocks=sh.peak_used,
         index_entries=sh.index_used, last_recovery_s=sh.last_recovery_ns / 1e9,
         max_recovery_s=sh.max_recovery_ns / 1e9, counters=counters,
-        processes=procs, sequences=seqs, ref_cnt=refcnt, block_flags=flags)
+        processes=procs, sequences=seqs, ref_cnt=refcnt, block_flags=flags,
+        events=dict(capacity=c.cfg.event_capacity, head=shmkv_event_head(c)))
 
 
 # --------------------------------------------------------------------------------------
@@ -522,6 +529,7 @@ cdef extern from *:
     #define SHMKV_FP(f, t) { #f, offsetof(shmkv_proc_t, f), t }
     #define SHMKV_FB(f, t) { #f, offsetof(shmkv_block_t, f), t }
     #define SHMKV_FI(f, t) { #f, offsetof(shmkv_index_t, f), t }
+    #define SHMKV_FE(f, t) { #f, offsetof(shmkv_event_t, f), t }
     static const shmkv_field_t SHMKV_HEADER_FIELDS[] = {
         SHMKV_FH(magic, "Q"), SHMKV_FH(layout_version, "I"), SHMKV_FH(header_size, "I"),
         SHMKV_FH(abi_fingerprint, "Q"), SHMKV_FH(segment_size, "Q"), SHMKV_FH(config, "I"),
@@ -553,12 +561,17 @@ cdef extern from *:
         SHMKV_FB(num_tokens, "I"), {0} };
     static const shmkv_field_t SHMKV_INDEX_FIELDS[] = {
         SHMKV_FI(hash, "Q"), SHMKV_FI(block, "I"), {0} };
+    static const shmkv_field_t SHMKV_EVENT_FIELDS[] = {
+        SHMKV_FE(stamp, "Q"), SHMKV_FE(kind, "I"), SHMKV_FE(num_tokens, "I"),
+        SHMKV_FE(hash, "Q"), SHMKV_FE(parent, "Q"), SHMKV_FE(time_ns, "Q"),
+        SHMKV_FE(block, "I"), SHMKV_FE(flags, "I"), {0} };
     #undef SHMKV_FH
     #undef SHMKV_FS
     #undef SHMKV_FQ
     #undef SHMKV_FP
     #undef SHMKV_FB
     #undef SHMKV_FI
+    #undef SHMKV_FE
     """
     ctypedef struct shmkv_field_t:
         const char *name
@@ -570,6 +583,7 @@ cdef extern from *:
     const shmkv_field_t SHMKV_PROC_FIELDS[]
     const shmkv_field_t SHMKV_BLOCK_FIELDS[]
     const shmkv_field_t SHMKV_INDEX_FIELDS[]
+    const shmkv_field_t SHMKV_EVENT_FIELDS[]
 
 
 cdef dict _fields(const shmkv_field_t *f, size_t base):
@@ -586,19 +600,20 @@ def struct_layout():
     """Sizes and field offsets of the segment's C structs.
 
     Returns a dict: ``header`` (offsets from the segment start), ``shared`` (offsets
-    from the segment start too), ``seq``, ``proc``, ``block``, ``index`` (offsets inside
-    one element), each ``{"size": bytes, "fields": {name: (offset, struct format)}}``;
+    from the segment start too), ``seq``, ``proc``, ``block``, ``index``, ``event`` (a
+    KV event record's header, the ring's ``ring_size``-byte head line before the records;
+    offsets inside one element), each ``{"size": bytes, "fields": {name: (offset, struct format)}}``;
     array fields give the offset of element 0.  ``config`` and ``layout`` name the
     header sub-structs' fields in order.
     """
     cdef shmkv_shared_t sh
     cfg_names = ["num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks",
                  "max_seqs", "max_blocks_per_seq", "max_procs", "dtype", "itemsize",
-                 "hash_algo", "_reserved"]
+                 "hash_algo", "_reserved", "event_capacity", "_reserved_ev"]
     lay_names = ["token_bytes", "block_bytes", "layer_stride", "index_capacity",
                  "off_blocks", "off_free", "off_procs", "off_seqs", "off_seq_free",
                  "off_tables", "off_tokens", "off_index", "off_kpool", "off_vpool",
-                 "segment_size"]
+                 "segment_size", "off_events", "event_record_bytes"]
     header = _fields(SHMKV_HEADER_FIELDS, 0)
     shared = _fields(SHMKV_SHARED_FIELDS, SHMKV_SHARED_OFFSET)
     seq = _fields(SHMKV_SEQ_FIELDS, 0)
@@ -615,6 +630,8 @@ def struct_layout():
                   cache_seqs=SHMKV_PCACHE_SEQS),
         block=dict(size=sizeof(shmkv_block_t), fields=block),
         index=dict(size=sizeof(shmkv_index_t), fields=index),
+        event=dict(size=sizeof(shmkv_event_t), fields=_fields(SHMKV_EVENT_FIELDS, 0),
+                   ring_size=sizeof(shmkv_event_ring_t)),
         config=cfg_names, layout=lay_names)
 
 

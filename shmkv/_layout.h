@@ -23,6 +23,8 @@
  *   off_tables     | int32_t         tables[max_seqs][max_blocks_per_seq]       |
  *   off_tokens     | int32_t         tokens[num_blocks][block_size] token ids   |
  *   off_index      | shmkv_index_t   index[index_capacity] block hash -> block  |
+ *   off_events     | shmkv_event_ring_t, then event records [event_capacity + 1] |
+ *                  |   (KV events, see "KV events" below; absent when capacity 0) |
  *   off_kpool      +--------------------- page aligned -------------------------+
  *                  | K, layer 0   [num_blocks][block_size][num_kv_heads][head_dim]|
  *                  | K, layer 1 ...        (each layer page aligned)            |
@@ -74,7 +76,7 @@
 #include <pthread.h>
 
 #define SHMKV_MAGIC            0x31564b4d48535f5fULL   /* "__SHMKV1" little-endian */
-#define SHMKV_LAYOUT_VERSION   2u
+#define SHMKV_LAYOUT_VERSION   3u     /* 3: the KV event ring */
 #define SHMKV_HEADER_SIZE      512u     /* shmkv_header_t is padded to this */
 #define SHMKV_SHARED_OFFSET    512u
 #define SHMKV_PAGE             4096u
@@ -91,6 +93,8 @@
 #define SHMKV_MAX_NUM_BLOCKS   0x7ffffffeu  /* block ids are int32; -1 pads tables */
 #define SHMKV_MAX_SEQS         (1u << 24)
 #define SHMKV_MAX_PROCS        4096u
+#define SHMKV_MAX_EVENTS       (1u << 24)   /* event_capacity */
+#define SHMKV_EVENT_MAX_TOKENS 1024u        /* block_size limit while events are on */
 
 /* ---- status codes: every kernel returns one ------------------------------------- */
 enum {
@@ -177,6 +181,9 @@ typedef struct {
     uint32_t itemsize;            /* bytes per element of dtype */
     uint32_t hash_algo;           /* SHMKV_HASH_*; fixed per segment */
     uint32_t _reserved;
+    /* --- KV events (layout 3) --- */
+    uint32_t event_capacity;      /* events the ring keeps, 0..SHMKV_MAX_EVENTS; 0 = off */
+    uint32_t _reserved_ev;        /* 0 */
 } shmkv_config_t;
 
 /* ---- region layout, derived from the config by shmkv_layout_compute() ---------------- */
@@ -188,6 +195,10 @@ typedef struct {
     uint64_t off_blocks, off_free, off_procs, off_seqs, off_seq_free, off_tables;
     uint64_t off_tokens, off_index, off_kpool, off_vpool;
     uint64_t segment_size;     /* total bytes; a multiple of SHMKV_PAGE */
+    /* --- KV events (layout 3) --- */
+    uint64_t off_events;       /* the event ring (shmkv_event_ring_t + records); 0 if off */
+    uint64_t event_record_bytes; /* one record: shmkv_event_t + block_size token ids,
+                                    line rounded; 0 if off */
 } shmkv_layout_t;
 
 /* ---- header: immutable after READY ------------------------------------------------- */
@@ -321,6 +332,48 @@ typedef struct {
 } shmkv_index_t;
 #define SHMKV_INDEX_MAX_PROBE 64u   /* bounded probing: an insert past this is skipped */
 
+
+/* ---- KV events: a ring of what the prefix index did (vLLM's KV events) --------------- *
+ * Written under pool_lock by every process (kernels/events.h), in pool_lock order, so the
+ * order of the ring is the order of the index changes.  Read lock-free (seqlock style):
+ *
+ *   writer (pool_lock held)                   reader (no lock)
+ *     seq = ring.head                           h = load_acquire(ring.head)
+ *     slot = seq % (capacity + 1)               for seq in [max(since, h - capacity), h):
+ *     slot.stamp = 0          (relaxed)            s1 = load_acquire(slot.stamp)
+ *     fence(release)                               copy the record
+ *     fill the record                              fence(acquire)
+ *     slot.stamp = seq + 1    (release)            s2 = load(slot.stamp)
+ *     ring.head = seq + 1     (release)            s1 == s2 == seq + 1 ? the event : lost
+ *
+ * capacity + 1 slots: the slot being written (head's) never holds one of the `capacity`
+ * events a reader may ask for, so a writer killed at any instruction destroys no visible
+ * event, and its half-written slot is invisible (stamp 0, or seq + 1 with head not moved
+ * on: only seqs < head are read).  The next writer rewrites the same seq.  Nothing here
+ * is derived state: recovery leaves the ring alone; check() verifies every event in the
+ * window carries its own stamp (no writer is between the two stores while we hold the
+ * pool lock). */
+enum { SHMKV_EV_STORED = 1, SHMKV_EV_REMOVED = 2, SHMKV_EV_CLEARED = 3 };
+enum { SHMKV_EVF_PARENT = 1u };           /* shmkv_event_t.flags: parent[] is valid */
+typedef struct {
+    uint64_t head;             /* seq of the next event = events written so far; written
+                                  (release) by the pool_lock holder after the slot's stamp;
+                                  readers load it acquire.  Any value is safe to read. */
+    uint64_t _pad[7];
+} shmkv_event_ring_t;           /* one cache line at off_events; the records follow */
+typedef struct {
+    uint64_t stamp;            /* seq + 1 of the event this slot holds; 0 while being
+                                  written (or never written).  Release-stored last. */
+    uint32_t kind;             /* SHMKV_EV_* */
+    uint32_t num_tokens;       /* token ids after this struct: block_size (stored), 0 */
+    uint64_t hash[2];          /* the block's 128-bit hash (stored / removed) */
+    uint64_t parent[2];        /* the parent block's hash, valid iff SHMKV_EVF_PARENT */
+    uint64_t time_ns;          /* CLOCK_REALTIME when written */
+    uint32_t block;            /* physical block id (for inspection) */
+    uint32_t flags;            /* SHMKV_EVF_* */
+    /* int32_t token_ids[num_tokens] follow, in the record (event_record_bytes) */
+} shmkv_event_t;
+
 /* ---- ABI checks --------------------------------------------------------------------- */
 _Static_assert(sizeof(shmkv_header_t) <= SHMKV_HEADER_SIZE, "header outgrew its page slot");
 _Static_assert(sizeof(shmkv_shared_t) + SHMKV_SHARED_OFFSET <= SHMKV_PAGE,
@@ -333,6 +386,8 @@ _Static_assert(offsetof(shmkv_proc_t, cache_lock) == 128, "proc cache on lines 2
 _Static_assert(sizeof(shmkv_index_t) == 24, "index entry size");
 _Static_assert(offsetof(shmkv_shared_t, pool_lock) % SHMKV_LINE == 0, "lock on its own line");
 _Static_assert(SHMKV_NCOUNTERS <= SHMKV_COUNTER_SLOTS, "too many counters");
+_Static_assert(sizeof(shmkv_event_ring_t) == SHMKV_LINE, "event ring head: one line");
+_Static_assert(sizeof(shmkv_event_t) == 64, "event record header size");
 
 /* The fingerprint covers every size and offset a peer build must agree on. */
 static inline uint64_t shmkv_mix(uint64_t h, uint64_t v) {
@@ -360,6 +415,9 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     h = shmkv_mix(h, offsetof(shmkv_proc_t, cache_seqs));
     h = shmkv_mix(h, SHMKV_PCACHE_BLOCKS);
     h = shmkv_mix(h, SHMKV_NCOUNTERS);
+    h = shmkv_mix(h, sizeof(shmkv_event_t));
+    h = shmkv_mix(h, offsetof(shmkv_event_t, time_ns));
+    h = shmkv_mix(h, offsetof(shmkv_config_t, event_capacity));
     return h;
 }
 
@@ -423,6 +481,8 @@ static inline int shmkv_layout_compute(const shmkv_config_t *c, shmkv_layout_t *
         return SHMKV_EINVAL;
     if (c->hash_algo != SHMKV_HASH_XXH && c->hash_algo != SHMKV_HASH_SHA256) return SHMKV_EINVAL;
     if (c->_reserved != 0) return SHMKV_EINVAL;
+    if (c->event_capacity > SHMKV_MAX_EVENTS || c->_reserved_ev != 0) return SHMKV_EINVAL;
+    if (c->event_capacity != 0 && c->block_size > SHMKV_EVENT_MAX_TOKENS) return SHMKV_EINVAL;
     const uint64_t LIMIT = 1ULL << 47;
     uint64_t tb = (uint64_t)c->num_kv_heads * c->head_dim * c->itemsize;      /* < 2^37 */
     uint64_t bb = tb * c->block_size;                                           /* < 2^53 */
@@ -453,6 +513,14 @@ static inline int shmkv_layout_compute(const shmkv_config_t *c, shmkv_layout_t *
     out->off_tables = o;   o = shmkv_round_up(o + tables, SHMKV_LINE);
     out->off_tokens = o;   o = shmkv_round_up(o + tokens, SHMKV_LINE);
     out->off_index = o;    o = shmkv_round_up(o + cap * sizeof(shmkv_index_t), SHMKV_PAGE);
+    if (c->event_capacity != 0) {   /* the event ring: head line + capacity + 1 records */
+        out->event_record_bytes = shmkv_round_up(sizeof(shmkv_event_t) + 4ull * c->block_size,
+                                                 SHMKV_LINE);
+        out->off_events = o;
+        o = shmkv_round_up(o + sizeof(shmkv_event_ring_t)
+                           + ((uint64_t)c->event_capacity + 1) * out->event_record_bytes,
+                           SHMKV_PAGE);
+    }
     out->off_kpool = o;    o += pool;
     out->off_vpool = o;    o += pool;
     if (o > 2 * LIMIT) return SHMKV_EINVAL;

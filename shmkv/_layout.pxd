@@ -43,11 +43,13 @@ cdef extern from "_layout.h" nogil:
         uint32_t num_layers, num_kv_heads, head_dim, block_size
         uint32_t num_blocks, max_seqs, max_blocks_per_seq, max_procs
         uint32_t dtype, itemsize, hash_algo, _reserved
+        uint32_t event_capacity, _reserved_ev
 
     ctypedef struct shmkv_layout_t:
         uint64_t token_bytes, block_bytes, layer_stride, index_capacity
         uint64_t off_blocks, off_free, off_procs, off_seqs, off_seq_free, off_tables
         uint64_t off_tokens, off_index, off_kpool, off_vpool, segment_size
+        uint64_t off_events, event_record_bytes
 
     ctypedef struct shmkv_header_t:
         uint64_t magic
@@ -101,6 +103,22 @@ cdef extern from "_layout.h" nogil:
         uint32_t block
 
     const char *SHMKV_COUNTER_NAMES[]
+
+    # KV events (kernels/events.h)
+    uint32_t SHMKV_MAX_EVENTS, SHMKV_EVENT_MAX_TOKENS
+    enum:
+        SHMKV_EV_STORED, SHMKV_EV_REMOVED, SHMKV_EV_CLEARED
+    enum:
+        SHMKV_EVF_PARENT
+    ctypedef struct shmkv_event_ring_t:
+        uint64_t head
+    ctypedef struct shmkv_event_t:
+        uint64_t stamp
+        uint32_t kind, num_tokens
+        uint64_t hash[2]
+        uint64_t parent[2]
+        uint64_t time_ns
+        uint32_t block, flags
 
     uint64_t shmkv_abi_fingerprint()
     uint64_t shmkv_header_checksum(const shmkv_header_t *h)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Tuple
 
-from . import _attention
+from . import _attention, _events
 from ._kvdata import DataOps
 from .config import CacheConfig
+from .events import EventBatch
 
 if TYPE_CHECKING:
     import numpy as np
@@ -172,6 +173,44 @@ class KVCache(DataOps):
             except Exception:         # the tier never raises into close()
                 pass
         super().close()
+
+    def events(self, since: int = 0, *, max_events: Optional[int] = None) -> EventBatch:
+        """The KV events of the segment with ``seq >= since`` (vLLM's KV events).
+
+        Every process writes them, in pool-lock order, when a block's hash enters the
+        prefix index (``"stored"``), when a cached block's hash leaves it because the
+        block is reused (``"removed"``), and when :meth:`reset_prefix_cache` drops them
+        all (``"cleared"``).  Read without any lock; a reader never sees half an event.
+
+        Parameters
+        ----------
+        since : int
+            First sequence number wanted (seqs start at 0 and grow by 1 per event).
+        max_events : int, optional
+            At most this many events (default 65536); ask again from ``next_seq``.
+
+        Returns
+        -------
+        EventBatch
+            ``(events, next_seq, lost)``: the events still in the ring, in order;
+            the ``since`` of the next call; how many events with ``seq >= since`` were
+            overwritten (the ring keeps ``config.event_capacity``) before this read.
+            They are contiguous: ``events[i].seq == since + lost + i`` and
+            ``next_seq == since + lost + len(events)`` (writers that lap a reader
+            while it reads make it count the events before the lap as lost too).
+            With the ring off (capacity 0): ``([], 0, 0)``.  A ``since`` past the
+            newest event gives ``([], next, 0)``, ``next`` being the next seq.
+        """
+        return _events.read(self, since, max_events)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every hash from the host's prefix index (vLLM's ``reset_prefix_cache``).
+
+        Cached blocks become free blocks; blocks in use stay with their sequences but
+        are no longer findable.  Writes one ``"cleared"`` event.  Returns the number of
+        hashes dropped.
+        """
+        return _events.reset_prefix_cache(self)
 
     def __enter__(self) -> "KVCache":
         return self

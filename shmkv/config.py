@@ -25,6 +25,10 @@ _LIMITS = {
     "max_procs": 4096,
 }
 
+# Mirrors SHMKV_MAX_EVENTS / SHMKV_EVENT_MAX_TOKENS of _layout.h (the KV event ring).
+_MAX_EVENTS = 1 << 24
+_EVENT_MAX_TOKENS = 1024
+
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -66,6 +70,11 @@ class CacheConfig:
         Process-table slots: processes that may be attached at once.
     hash : {"fast", "sha256"}
         Block-hash function of the prefix cache, fixed per segment.
+    event_capacity : int
+        KV events (``stored`` / ``removed`` / ``cleared``, vLLM's KV events) the segment
+        keeps in its ring, 0 (default) turns them off.  Each takes one record of
+        ``64 + 4 * block_size`` bytes (rounded to 64); at most 2**24, and ``block_size``
+        at most 1024 while they are on (a ``stored`` event carries the block's token ids).
 
     Raises
     ------
@@ -83,6 +92,7 @@ class CacheConfig:
     max_seq_len: Optional[int] = None
     max_procs: int = 64
     hash: str = "fast"
+    event_capacity: int = 0
 
     def __post_init__(self) -> None:
         for name, hi in _LIMITS.items():
@@ -90,6 +100,12 @@ class CacheConfig:
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check_int("event_capacity", self.event_capacity, 0, _MAX_EVENTS)
+        object.__setattr__(self, "event_capacity", int(self.event_capacity))
+        if self.event_capacity and self.block_size > _EVENT_MAX_TOKENS:
+            raise ValueError(
+                f"event_capacity: events carry a block's token ids, so block_size must be "
+                f"<= {_EVENT_MAX_TOKENS} while they are on, got block_size {self.block_size}")
         if self.hash not in HASHES:
             raise ValueError(f"hash: expected one of {sorted(HASHES)}, got {self.hash!r}")
         whole = self.num_blocks * self.block_size

@@ -22,6 +22,9 @@ def die_in(name, point, op, disarm):
         cache.append(sid, _kv(cfg, 4 * bs), _kv(cfg, 4 * bs))
     if op == "commit":
         cache.reserve(sid, 3 * bs, tokens=np.arange(3 * bs))
+    if op == "reset":                                      # a cached block to drop
+        cache.append(sid, _kv(cfg, bs), _kv(cfg, bs), tokens=np.arange(bs))
+        cache.free(sid)
     _core.set_crash_point(point)
     if disarm:
         _core.set_crash_point(None)
@@ -41,4 +44,6 @@ def die_in(name, point, op, disarm):
         cache.commit(sid)                                  # _prefix
     elif op == "recover":
         cache.recover()                                    # _inspect
+    elif op == "reset":
+        cache.reset_prefix_cache()                         # _events
     os._exit(0)                                            # the point did not fire

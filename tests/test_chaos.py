@@ -59,6 +59,12 @@ def test_chaos_short_run_has_no_failures(tmp_path):
     assert px["audit_hit_blocks_verified"] > 0 and px["hashed_blocks_verified_in_audits"] > 0
     assert px["token_ids_verified"] > 0 and px["commits"] > 0
     assert px["trims"] > 0 and px["evicted"] > 0
+    # KV events: written, read racing the writers and in every audit, checked against
+    # the index; deaths inside the event write and inside reset_prefix_cache
+    ev = r["events"]
+    assert ev["written"] > 0 and ev["read_by_workers"] > 0 and ev["read_in_audits"] > 0
+    assert ev["findable_blocks_matched_to_stored"] > 0 and ev["resets"] > 0
+    assert r["crash_point_deaths"]["event_mid"] >= 3 and r["crash_point_deaths"]["reset_mid"] >= 3
 
 
 @pytest.mark.slow
@@ -83,6 +89,7 @@ PLANTED = {
     "early_publish": {"garbage", "torn_publish", "lost_tokens"},
     "no_cow": {"lost_tokens", "garbage"},
     "leak_on_free": {"invariant", "leak"},
+    "torn_event": {"bad_event"},
 }
 
 

@@ -182,7 +182,8 @@ def test_every_command_on_a_live_segment(shmkv_cli, names, workers, tmp_path):
         # info: header, config, sizes, counters
         info = shmkv_cli.json("info", name)
         assert info["config"] == {**TINY, "num_blocks": 256, "max_seqs": 64, "dtype": "float16",
-                                  "max_seq_len": 1024, "max_procs": 64, "hash": "fast"}
+                                  "max_seq_len": 1024, "max_procs": 64, "hash": "fast",
+                                  "event_capacity": 0}
         assert info["layout_version"] == core.LAYOUT_VERSION
         assert info["creator_pid"] == os.getpid()
         assert info["sizes"]["segment_bytes"] == cfg.segment_size()

@@ -19,7 +19,8 @@ ctx = mp.get_context("spawn")
 # (crash point, operation): each operation is a method of another module than _core
 CASES = [("create_mid", "create"), ("fork_mid", "fork"), ("free_mid", "free"),
          ("append_before_publish", "append"), ("gather_mid", "gather"),
-         ("trim_mid", "trim"), ("publish_mid", "commit"), ("recover_mid", "recover")]
+         ("trim_mid", "trim"), ("publish_mid", "commit"), ("recover_mid", "recover"),
+         ("reset_mid", "reset")]
 
 
 def _run_worker(cache, procs, point, op, disarm=False):
@@ -35,7 +36,7 @@ def _run_worker(cache, procs, point, op, disarm=False):
 @pytest.mark.parametrize("point,op", CASES)
 def test_crash_point_armed_in_core_fires_in_sibling(cache, procs, point, op):
     """set_crash_point writes _core's switches; the kernel that passes the point runs in
-    the module of the method (_sequences, _kvdata, _prefix, _inspect), whose copy of the
+    the module of the method (_sequences, _kvdata, _prefix, _inspect, _events), whose copy of the
     kernels reads them through its shmkv_dbg pointer, bound to _core's at import."""
     assert _run_worker(cache, procs, point, op) == 86, f"{point} did not fire in {op}"
     cache.recover()

@@ -55,6 +55,8 @@ import posix_ipc
 
 import shmkv
 from shmkv import _core
+from shmkv._events import EventReader
+from shmkv.cli import main as cli_main
 
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TOOLS_DIR not in sys.path:
@@ -101,11 +103,14 @@ PROC_FIELDS = _flat(PROC_F, {"inflight": _ABI["proc"]["inflight"],
                              "cache_seqs": _ABI["proc"]["cache_seqs"]})
 BLOCK_FIELDS = _flat(_ABI["block"]["fields"], {"hash": 2})
 INDEX_FIELDS = _flat(_ABI["index"]["fields"], {"hash": 2})
+EVENT_FIELDS = _flat(_ABI["event"]["fields"], {"hash": 2, "parent": 2})
+EVENT_RING = _ABI["event"]["ring_size"]             # the head line before the records
 STATE_READY, STATE_INIT = 0x52454459, 0x494E4954
 
 KINDS = ("random", "header_flip", "header_field", "header_field_sum", "config",
-         "body_struct", "body_raw", "body_many", "consistent_seq", "size", "state", "mutex")
-WEIGHTS = (6, 8, 6, 8, 10, 22, 10, 8, 10, 6, 3, 3)
+         "body_struct", "body_raw", "body_many", "consistent_seq", "size", "state", "mutex",
+         "events")
+WEIGHTS = (6, 8, 6, 8, 10, 22, 10, 8, 10, 6, 3, 3, 8)
 OUTCOMES = ("cases", "snap_ok", "snap_rejected", "attached", "attach_rejected", "op_errors",
             "findings")
 PROG_WORDS = 2 + len(KINDS) * len(OUTCOMES)
@@ -153,16 +158,36 @@ def interesting(rng, fmt, extra=()):
 # --------------------------------------------------------------------------------------
 TEMPLATE_CONFIGS = [
     {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "num_blocks": 16, "block_size": 4,
-         "dtype": "float16", "max_seqs": 8, "max_procs": 4},
+         "dtype": "float16", "max_seqs": 8, "max_procs": 4, "event_capacity": 5},
     {"num_layers": 1, "num_kv_heads": 2, "head_dim": 2, "num_blocks": 8, "block_size": 1,
          "dtype": "float32", "max_seqs": 4, "max_procs": 2},
     {"num_layers": 3, "num_kv_heads": 1, "head_dim": 1, "num_blocks": 32, "block_size": 8,
-         "dtype": "float16", "max_seqs": 16, "max_procs": 8, "max_seq_len": 64},
+         "dtype": "float16", "max_seqs": 16, "max_procs": 8, "max_seq_len": 64,
+         "event_capacity": 64},
 ]
+
+
+class _FixedSeed:
+    """Stands in for _core's `secrets` while templates are made: the hash seed is the one
+    canonical() writes, so the block hashes, the index and the KV events of a template
+    (which all follow from it) are the same in every run."""
+
+    @staticmethod
+    def randbits(k):
+        return 0x5EED5EED5EED5EED
 
 
 def make_templates(tag):
     """Real segments with every kind of state in them; returns [(bytes, meta)]."""
+    real = _core.secrets
+    _core.secrets = _FixedSeed
+    try:
+        return _make_templates(tag)
+    finally:
+        _core.secrets = real
+
+
+def _make_templates(tag):
     out = []
     for i, kw in enumerate(TEMPLATE_CONFIGS):
         cfg = shmkv.CacheConfig(**kw)
@@ -186,6 +211,14 @@ def make_templates(tag):
             c.append(s3, *toks(2 * bs, 200))
             c.detach(s3)
             c.create_sequence()                            # empty
+            if cfg.event_capacity:                         # KV events: stored, cleared
+                s4 = c.create_sequence()
+                c.append(s4, *toks(3 * bs + 1, 400), tokens=np.arange(3 * bs + 1))
+                c.free(s4)
+                c.reset_prefix_cache()
+                s4 = c.create_sequence()
+                c.append(s4, *toks(2 * bs, 500), tokens=np.arange(7, 7 + 2 * bs))
+                c.free(s4)
             slots = c.reserve(s1, 1)
             k, v = toks(1, 300)
             for layer in range(L):
@@ -229,6 +262,11 @@ def canonical(b, cfg, lay):
         o = lay["off_seqs"] + SEQ_SIZE * q
         struct.pack_into("<Q", buf, o + SEQ_F["last_access_ns"][0], 1_700_000_000_000_000_000)
         struct.pack_into("<Q", buf, o + SEQ_F["created_ns"][0], 1_700_000_000_000_000_000)
+    if lay["off_events"]:                                        # KV events' clocks
+        t_off = _ABI["event"]["fields"]["time_ns"][0]
+        for r in range(cfg.event_capacity + 1):
+            o = lay["off_events"] + EVENT_RING + r * lay["event_record_bytes"] + t_off
+            struct.pack_into("<Q", buf, o, 1_700_000_000_000_000_000)
     resum(buf)
     return bytes(buf)
 
@@ -253,7 +291,12 @@ def make_case(templates, seed, i):
             struct.pack_into("<" + fmt, buf, base + off, interesting(rng, fmt, extra))
 
     def region():
-        r = rng.randrange(9)
+        r = rng.randrange(10)
+        if r == 9 and lay["off_events"]:                 # the KV event ring's records
+            rec = lay["event_record_bytes"]
+            return (lay["off_events"] + EVENT_RING, (cfg["event_capacity"] + 1) * rec, rec,
+                    EVENT_FIELDS)
+        r %= 9
         if r == 0:
             return lay["off_blocks"], lay["off_free"] - lay["off_blocks"], BLOCK_SIZE, BLOCK_FIELDS
         if r == 1:
@@ -402,6 +445,29 @@ def make_case(templates, seed, i):
             (0, STATE_INIT, STATE_READY ^ 1, 0xFFFFFFFF, rng.getrandbits(32))))
         if rng.random() < 0.3:
             buf[0:8] = b"\0" * 8
+    elif kind == "events":
+        # the KV event ring: its head, and records made plausible (their stamp matches a
+        # seq in the window the head implies) with hostile fields, or raw garbage
+        if not lay["off_events"]:
+            mutate_field(0, SH_FIELDS)
+        else:
+            ring, rec = lay["off_events"], lay["event_record_bytes"]
+            cap = cfg["event_capacity"]
+            head = struct.unpack_from("<Q", buf, ring)[0]
+            if rng.random() < 0.5:
+                head = interesting(rng, "Q", extra + (cap, cap + 1, 2 * cap))
+                struct.pack_into("<Q", buf, ring, head)
+            for _ in range(rng.randint(1, 6)):
+                seq = max(0, head - 1 - rng.randrange(cap + 2))
+                o = ring + EVENT_RING + (seq % (cap + 1)) * rec
+                r = rng.random()
+                if r < 0.6:
+                    struct.pack_into("<Q", buf, o, (seq + 1) & 0xFFFFFFFFFFFFFFFF)
+                    mutate_field(o, EVENT_FIELDS[1:], rng.randint(1, 3))
+                elif r < 0.8:
+                    mutate_field(o, EVENT_FIELDS, rng.randint(1, 4))
+                else:
+                    buf[o:o + rec] = rng.getrandbits(8 * rec).to_bytes(rec, "little")
     elif kind == "mutex":
         lo, hi = SH_MUTEX
         for _ in range(rng.randint(1, 6)):
@@ -452,6 +518,14 @@ def run_case(name, data, attach, rng, finding):
             pass
         except Exception as e:  # noqa: BLE001 -- anything else is what we look for
             finding("snapshot", e)
+        try:                                         # the CLI's read-only event reader
+            with EventReader(name) as r:
+                r.read(0)
+                r.read(rng.randrange(1 << 20), max_events=rng.choice((None, 1, 7)))
+        except EXPECTED_SNAPSHOT:
+            pass
+        except Exception as e:  # noqa: BLE001
+            finding("event_reader", e)
         if not attach:
             return snap_ok, False, 0
         try:
@@ -518,6 +592,21 @@ def exercise(c, rng, finding):
            expected=(shmkv.ShmkvError, ValueError))
     if sids:
         op("batch_block_tables", c.batch_block_tables, sids[:8])
+    # the KV event ring, whatever the mutation left in it: events, never a crash; and the
+    # CLI over it (exit 0, or 2 for a segment it cannot read)
+    op("events", c.events, 0)
+    op("events", c.events, rng.choice((1, 5, 1 << 20, (1 << 63) - 1)),
+       max_events=rng.choice((None, 1, 3)))
+    if rng.random() < 0.3:
+        with open(os.devnull, "w") as devnull:
+            old_out, sys.stdout = sys.stdout, devnull
+            old_err, sys.stderr = sys.stderr, devnull
+            try:
+                rc = op("cli events", cli_main, ["events", c.name, "--json"])
+            finally:
+                sys.stdout, sys.stderr = old_out, old_err
+        if rc not in (None, 0, 2):
+            finding("cli events", RuntimeError(f"shmkv events exited {rc}"))
     op("recover", c.recover)
     op("check", c.check)
     if rng.random() < 0.5:

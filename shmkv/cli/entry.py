@@ -11,6 +11,7 @@ import sys
 from .. import _core
 from ..config import DTYPES, HASHES
 from .common import EXIT_OK, EXIT_USAGE, PRESETS, CLIError, parse_size, shmkv_version
+from .events import cmd_events
 from .inspect import cmd_blocks, cmd_info, cmd_ls, cmd_procs, cmd_seqs
 from .live import cmd_metrics, cmd_top, parse_listen
 from .manage import cmd_check, cmd_create, cmd_recover, cmd_rm
@@ -46,13 +47,15 @@ typical session:
   shmkv top NAME                 live view, refreshed every second (Ctrl-C quits)
   shmkv blocks NAME --png p.png  the block pool, drawn
   shmkv metrics NAME --listen 127.0.0.1:9464   Prometheus endpoint /metrics
+  shmkv events NAME --follow     the KV events (stored/removed/cleared) as they happen
+  shmkv events NAME --zmq-pub tcp://127.0.0.1:5557   ... in vLLM's wire format over ZMQ
   shmkv create NAME --preset llama3-8b --memory 8GiB
   shmkv rm NAME | shmkv rm --stale
 
 A worker that died (SIGKILL, OOM) leaves its sequences and blocks allocated until the next
 recovery: `procs` and `seqs` mark it DEAD and print the leak; `recover` reclaims it.
 
-Inspection (ls, info, seqs, blocks, procs, top, metrics) maps the segment read-only, takes
+Inspection (ls, info, seqs, blocks, procs, top, metrics, events) maps the segment read-only, takes
 no lock and changes nothing; it works while workers run and after they all died.
 check only attaches to run the invariants and changes nothing; check --repair, recover,
 create and rm change the segment or its name.
@@ -212,6 +215,9 @@ run `shmkv recover NAME`.""")
                     help="processes attached at once (default 64)")
     sp.add_argument("--hash", choices=sorted(HASHES), help="prefix-cache block hash "
                     "(default fast)")
+    sp.add_argument("--events", dest="event_capacity", type=int, metavar="N",
+                    help="KV events kept in the segment's ring, for `shmkv events` "
+                         "(default 0: off)")
     sp.add_argument("--mode", type=lambda s: int(s, 8), default=0o600,
                     help="permission bits in octal (default 600; 660 lets the group attach)")
     sp.add_argument("--prefault", action="store_true",
@@ -263,6 +269,49 @@ run `shmkv recover NAME`.""")
     sp.add_argument("--duration", type=float, default=0,
                     help="exit after this many seconds (default: run until stopped)")
     sp.add_argument("--verbose", action="store_true", help="log every request on stderr")
+
+    sp = cmd("events", "the KV events of a segment: print, follow, or publish over ZMQ",
+             "Print the segment's KV events (stored: a block became findable in the prefix\n"
+             "index; removed: a cached block was reused; cleared: reset_prefix_cache), from\n"
+             "seq --since on.  The ring keeps the last config.event_capacity events; events\n"
+             "overwritten before they were read are counted as lost.  --follow keeps\n"
+             "printing new ones (--json: one JSON object per line).  --zmq-pub ENDPOINT\n"
+             "publishes them in vLLM's wire format (v0.11.0: multipart [topic, 8-byte\n"
+             "big-endian seq, msgpack KVEventBatch]) so a vLLM KV-event consumer (llm-d,\n"
+             "Dynamo) reads shmkv unchanged; --zmq-replay ENDPOINT serves vLLM's replay\n"
+             "requests.  Both sockets bind.  Needs the `events` extra (pyzmq, msgspec).",
+             cmd_events, epilog="""\
+examples:
+  shmkv events llama-cache                       the events the ring still holds
+  shmkv events llama-cache --since 1200 --json   from seq 1200, one JSON document
+  shmkv events llama-cache --follow              tail -f
+  shmkv events llama-cache --zmq-pub tcp://127.0.0.1:5557 --zmq-replay tcp://127.0.0.1:5558
+
+block hashes are vLLM-style ints: the first 64-bit lane of shmkv's 128-bit block hash,
+unsigned; parent_block_hash is the previous block's (none for a first block).""")
+    name_arg(sp)
+    sp.add_argument("--since", type=int, default=0, metavar="SEQ",
+                    help="first event sequence number (default 0: all the ring holds)")
+    sp.add_argument("--follow", "-f", action="store_true",
+                    help="keep printing new events until Ctrl-C / SIGTERM / --duration")
+    sp.add_argument("--interval", type=float, default=0.1,
+                    help="seconds between polls of the ring when idle (default 0.1)")
+    sp.add_argument("--duration", type=float, default=0,
+                    help="with --follow / --zmq-pub: stop after this many seconds")
+    sp.add_argument("--zmq-pub", metavar="ENDPOINT",
+                    help="publish on a ZMQ PUB socket bound here (e.g. tcp://127.0.0.1:5557)")
+    sp.add_argument("--zmq-replay", metavar="ENDPOINT",
+                    help="answer replay requests on a ZMQ ROUTER socket bound here")
+    sp.add_argument("--topic", default="", help="the ZMQ topic frame (default empty, as vLLM)")
+    sp.add_argument("--medium", default="CPU",
+                    help="the events' medium field (default CPU: shmkv pools are host "
+                         "memory; 'none' sends None)")
+    sp.add_argument("--dp-rank", type=int, default=0,
+                    help="data_parallel_rank of the batches (default 0)")
+    sp.add_argument("--batch", type=int, default=1024,
+                    help="at most this many events per published batch (default 1024)")
+    sp.add_argument("--buffer-steps", type=int, default=10_000,
+                    help="batches kept for replay (default 10000, as vLLM)")
 
     sub.add_parser("demo", help="run the shmkv demo (shmkv demo --help for its options)",
                    add_help=False)

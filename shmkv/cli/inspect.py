@@ -91,7 +91,9 @@ def cmd_info(args):
                    max_procs=cfg.max_procs, index_entries=snap["index_entries"],
                    last_recovery_s=snap["last_recovery_s"],
                    max_recovery_s=snap["max_recovery_s"]),
-        dead=view["dead"], counters=dict(snap["counters"]), layout=dict(lay))
+        dead=view["dead"], counters=dict(snap["counters"]), layout=dict(lay),
+        events=dict(snap["events"], overwritten=max(0, snap["events"]["head"]
+                                                   - snap["events"]["capacity"])))
     if args.json:
         emit_json(doc)
         return EXIT_OK
@@ -124,6 +126,10 @@ def cmd_info(args):
     kv("processes", f"{u['processes_alive']} live + {u['processes_dead']} dead / "
        f"{u['max_procs']}")
     kv("prefix index entries", u["index_entries"])
+    ev = doc["events"]
+    kv("KV events", (f"{ev['head']} written (next seq), ring of {ev['capacity']}, "
+                     f"{ev['overwritten']} overwritten" if ev["capacity"] else
+                     "off (event_capacity 0)"))
     kv("recovery", f"last {fmt_duration(u['last_recovery_s'])}, "
        f"max {fmt_duration(u['max_recovery_s'])}")
     print(paint("counters", "bold"))

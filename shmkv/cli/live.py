@@ -230,9 +230,17 @@ def exposition(names):
             ("shmkv_recovery_last_seconds", "Duration of the last recovery pass.",
              snap["last_recovery_s"]),
             ("shmkv_recovery_max_seconds", "Longest recovery pass.", snap["max_recovery_s"]),
+            ("shmkv_events_capacity", "KV events the segment's ring keeps (0: off).",
+             snap["events"]["capacity"]),
         ]
         for metric, help_, value in gauges:
             add(metric, "gauge", help_, base, value)
+        ev = snap["events"]
+        add("shmkv_events_total", "counter", "KV events written (the next event's seq).",
+            base, ev["head"])
+        add("shmkv_events_overwritten_total", "counter",
+            "KV events the ring no longer holds (a reader further behind lost them).",
+            base, max(0, ev["head"] - ev["capacity"]) if ev["capacity"] else 0)
         for key, value in snap["counters"].items():
             if key.startswith("evictions_"):
                 add("shmkv_evictions_total", "counter", "Cached blocks evicted, by policy.",

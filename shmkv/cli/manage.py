@@ -94,7 +94,7 @@ def cmd_create(args):
     if args.preset:
         fields.update(PRESETS[args.preset][0])
     for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "max_seqs",
-              "max_seq_len", "max_procs", "hash", "num_blocks"):
+              "max_seq_len", "max_procs", "hash", "num_blocks", "event_capacity"):
         v = getattr(args, f)
         if v is not None:
             fields[f] = v

@@ -1,7 +1,8 @@
 /*
  * kernels/alloc.h -- blocks (block_ok, block tables, claim/alloc/decref), the LRU of cached
  * blocks and the block-hash index.  Writes: free stack, block refcounts, LRU links,
- * index slots, pool counters.  Every function here runs under the pool lock.
+ * index slots, pool counters, a "removed" KV event per cached block reused.  Every
+ * function here runs under the pool lock.
  */
 #ifndef SHMKV_KERNELS_ALLOC_H
 #define SHMKV_KERNELS_ALLOC_H
@@ -100,6 +101,8 @@ static int shmkv_blocks_alloc_locked(shmkv_ctx_t *c, uint32_t n, uint32_t *out) 
             b = sh->lru_head;
             if (!shmkv_block_ok(c, b) || c->blocks[b].ref_cnt != 0) return SHMKV_ECORRUPT;
             shmkv_lru_unlink_locked(c, b);
+            if (c->blocks[b].flags & SHMKV_BLOCK_HASHED)   /* announced before it goes */
+                shmkv_event_removed_locked(c, b, c->blocks[b].hash);
             shmkv_index_remove_locked(c, b);
             shmkv_count(c, SHMKV_C_CACHED_EVICTED, 1);
         }

@@ -48,7 +48,9 @@
     X(GATHER_MID, "gather_mid")             /* seq lock: half the layers copied */       \
     X(RECOVER_MID, "recover_mid")           /* pool lock: refcounts recounted, lists not */ \
     X(PUBLISH_MID, "publish_mid")           /* pool lock: some block hashes indexed */   \
-    X(TRIM_MID, "trim_mid")                 /* pool lock: trim journal half applied */
+    X(TRIM_MID, "trim_mid")                 /* pool lock: trim journal half applied */ \
+    X(EVENT_MID, "event_mid")               /* pool lock: event record half written */ \
+    X(RESET_MID, "reset_mid")               /* pool lock: prefix index half cleared */
 
 #define SHMKV_X_ENUM(id, name) SHMKV_CP_##id,
 enum { SHMKV_CP_NONE = 0, SHMKV_CRASH_POINTS(SHMKV_X_ENUM) SHMKV_NCRASH };
@@ -59,7 +61,8 @@ static const char *const SHMKV_CRASH_NAMES[] = { "none", SHMKV_CRASH_POINTS(SHMK
 /* Planted bugs: the chaos harness must catch each of them (proof that it can fail).
  * Process-local; off unless plant_bug() is called. */
 enum { SHMKV_PLANT_NONE = 0, SHMKV_PLANT_NO_RECOVERY = 1, SHMKV_PLANT_EARLY_PUBLISH = 2,
-       SHMKV_PLANT_NO_COW = 3, SHMKV_PLANT_LEAK_ON_FREE = 4 };
+       SHMKV_PLANT_NO_COW = 3, SHMKV_PLANT_LEAK_ON_FREE = 4,
+       SHMKV_PLANT_TORN_EVENT = 5 /* an event's seq published before its record */ };
 
 /* The switches of both (process-local, never shared).  The kernels are static, so every
  * extension module that compiles them has its own copy of every static variable: the
@@ -102,6 +105,7 @@ typedef struct {
     uint64_t proc_token;        /* ((gen << 32) | (slot + 1)), or 0 when unregistered */
     int64_t timeout_ns;         /* bound on every wait */
     int readonly;
+    uint8_t *events;            /* the KV event ring (off_events), NULL when it is off */
 } shmkv_ctx_t;
 
 /* A recovery report. */
@@ -210,6 +214,7 @@ static int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int read
     c->kpool = base + lay.off_kpool;
     c->vpool = base + lay.off_vpool;
     c->readonly = readonly;
+    c->events = lay.off_events ? base + lay.off_events : NULL;
     return SHMKV_OK;
 }
 

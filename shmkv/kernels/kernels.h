@@ -19,6 +19,7 @@
 
 #include "base.h"
 #include "lock.h"
+#include "events.h"
 #include "alloc.h"
 #include "seq.h"
 #include "pcache.h"

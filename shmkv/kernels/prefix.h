@@ -1,6 +1,7 @@
 /*
  * kernels/prefix.h -- token ids, block hashes, the prefix cache and StreamingLLM trim (redo journal).
- * Writes: block hashes/token ids, index slots, the trim journal, seq block tables.
+ * Writes: block hashes/token ids, index slots, the trim journal, seq block tables; a
+ * "stored" KV event for each hash it makes findable (events.h).
  */
 #ifndef SHMKV_KERNELS_PREFIX_H
 #define SHMKV_KERNELS_PREFIX_H
@@ -80,7 +81,11 @@ static void shmkv_seq_publish_locked(shmkv_ctx_t *c, uint32_t slot) {
         shmkv_block_t *m = &c->blocks[b];
         if (!(m->flags & SHMKV_BLOCK_HASHED)) {
             uint64_t h[2] = { m->hash[0], m->hash[1] };
-            shmkv_index_insert_locked(c, h, b);
+            if (shmkv_index_insert_locked(c, h, b)) {   /* findable: the "stored" event */
+                const uint64_t *parent = NULL;
+                if (i > 0 && shmkv_block_ok(c, t[i - 1])) parent = c->blocks[t[i - 1]].hash;
+                shmkv_event_stored_locked(c, b, h, parent);
+            }
         }
         q->hashed = i + 1;
         if (i + 1 == end && i > q->hashed / 2) SHMKV_CRASH(PUBLISH_MID);

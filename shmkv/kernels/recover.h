@@ -264,7 +264,8 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
         if (!(m->flags & SHMKV_BLOCK_HASHED)) continue;
         m->flags &= ~(uint32_t)SHMKV_BLOCK_HASHED;
         uint64_t h[2] = { m->hash[0], m->hash[1] };
-        shmkv_index_insert_locked(c, h, b);
+        if (!shmkv_index_insert_locked(c, h, b))   /* no room in its probe window: the */
+            shmkv_event_removed_locked(c, b, h);   /* hash is gone, tell the routers */
     }
     /* free stack and LRU list */
     sh->free_top = 0;

@@ -130,6 +130,31 @@ def remote_tier(cache: shmkv.KVCache) -> None:
     stats = cache.stats()
     assert stats["tier_errors"] >= 1 and stats["tier_hits"] == 0
     assert {"tier_misses", "tier_bytes_in", "tier_bytes_out"} <= set(stats)
+
+def kv_events(cache: shmkv.KVCache) -> None:
+    """KV events: cache.events(since) -> (events, next_seq, lost); reset_prefix_cache."""
+    cfg = cache.config
+    assert cfg.event_capacity == 64
+    bs = cfg.block_size
+    start = cache.events().next_seq
+    prompt = np.arange(500, 500 + 2 * bs, dtype=np.int64)
+    sid = cache.create_sequence()
+    cache.append(sid, _kv(cfg, 2 * bs, 7), _kv(cfg, 2 * bs, 8), tokens=prompt)
+    events, next_seq, lost = cache.events(since=start)
+    assert lost == 0 and next_seq == start + 2
+    batch = cache.events(start, max_events=1)
+    ev = batch.events[0]
+    seq: int = ev.seq
+    kind: str = ev.kind
+    hashes: list[int] = ev.block_hashes
+    parent: int | None = ev.parent_block_hash
+    tokens: list[int] = ev.token_ids
+    assert (seq, kind, parent, batch.next_seq, batch.lost) == (start, "stored", None,
+                                                                 start + 1, 0)
+    assert len(hashes) == 1 and tokens == list(range(500, 500 + bs)) and ev.block_size == bs
+    assert events[1].parent_block_hash == hashes[0]
+    dropped: int = cache.reset_prefix_cache()
+    assert dropped >= 2 and cache.events(next_seq).events[0].kind == "cleared"
     cache.free(sid)
 
 
@@ -170,7 +195,7 @@ def errors(cache: shmkv.KVCache) -> None:
 
 def main(name: str) -> None:
     cfg = shmkv.CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=64,
-                            block_size=4, dtype="float32", max_seqs=16)
+                            block_size=4, dtype="float32", max_seqs=16, event_capacity=64)
     assert cfg.bytes_per_token == 2 * 2 * 2 * 8 * 4
     assert cfg.bytes_per_block == cfg.bytes_per_token * cfg.block_size
     cache = shmkv.KVCache.create(name, cfg)
@@ -191,6 +216,7 @@ def main(name: str) -> None:
         observability_and_ownership(cache)
         prefix_cache(cache)
         remote_tier(cache)
+        kv_events(cache)
         attention(cache)
         errors(cache)
         assert cache.check() == []

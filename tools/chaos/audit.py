@@ -58,6 +58,7 @@ class Audits:
             return
         locked = self._block_audit()
         self._journal_audit(locked)
+        self._event_audit()                  # (events.py) before the probes below
         self._index_audit()
         problems = self.ccall(c.check)
         if problems:

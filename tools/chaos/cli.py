@@ -68,6 +68,8 @@ def parse_args(argv=None):
     g.add_argument("--num-blocks", type=int, default=1024)
     g.add_argument("--max-seqs", type=int, default=256)
     g.add_argument("--max-seq-len", type=int, default=256)
+    g.add_argument("--events", type=int, default=256,
+                   help="event_capacity of the segment (KV events; 0: off)")
     args = p.parse_args(argv)
     if args.seed is None:
         args.seed = random.SystemRandom().getrandbits(32)

@@ -16,7 +16,7 @@ import numpy as np
 OPS = ("attach", "create", "append", "reserve", "write", "fork", "gather", "paged_read",
        "free", "detach", "adopt", "recover", "check", "seq_len", "owner_pid", "tables",
        "stats", "create_tok", "append_tok", "reserve_tok", "commit", "match_prefix",
-       "token_ids", "trim", "trimmed", "evict", "set_priority")
+       "token_ids", "trim", "trimmed", "evict", "set_priority", "events", "reset_prefix")
 
 
 OP_INDEX = {n: i for i, n in enumerate(OPS)}
@@ -46,6 +46,8 @@ FAIL_KINDS = (
                         # excluded one) or returned ids it did not free
     "bad_index",        # a hashed (findable) block whose data or token ids are not a
                         # well-formed full block, or whose ids do not match its data
+    "bad_event",        # a KV event read torn or malformed, seqs not dense, or a "stored"
+                        # event whose block (still findable) holds other token ids
 )
 
 
@@ -59,7 +61,8 @@ LANE_FIELDS = ("inc", "pid", "ready", "lost_token_count", "tokens_verified",
                "startups", "ready_mono_ns", "prompt_creates", "prefix_hit_blocks",
                "prefix_hit_tokens_verified", "ids_verified", "tok_appends", "commits",
                "committed_blocks", "trims", "trimmed_tokens", "resolved_trims",
-               "evict_calls", "evicted", "evicted_dead", "matches", "cur_op")
+               "evict_calls", "evicted", "evicted_dead", "matches", "cur_op",
+               "events_read", "events_lost", "resets", "resets_excused")
 
 
 LF = {n: i for i, n in enumerate(LANE_FIELDS)}

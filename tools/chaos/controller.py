@@ -20,6 +20,7 @@ from shmkv import _core
 from .audit import Audits
 from .codec import Codec, Prompts
 from .common import CNT_BASE, DETACHED, FAIL_BASE, FAIL_KINDS, LF, OPS, POOL_OP, Journal, _lane_sum
+from .events import EventAudits
 from .report import Report
 from .worker import worker_entry
 
@@ -51,7 +52,12 @@ def _fmt_s(ns):
     return f"{ns / 1e9:.4f}"
 
 
-class Controller(Audits, Report):
+# a planted bug that only a death at one point makes visible: half the armed workers
+# get that point (the others keep every point covered)
+PLANT_AIM = {"torn_event": "event_mid"}
+
+
+class Controller(Audits, EventAudits, Report):
 
     def __init__(self, args):
         self.args = args
@@ -119,7 +125,8 @@ class Controller(Audits, Report):
         cfg = shmkv.CacheConfig(num_layers=a.layers, num_kv_heads=a.heads, head_dim=a.head_dim,
                                 num_blocks=a.num_blocks, block_size=a.block_size,
                                 dtype="float32", max_seqs=a.max_seqs,
-                                max_seq_len=a.max_seq_len, max_procs=64)
+                                max_seq_len=a.max_seq_len, max_procs=64,
+                                event_capacity=a.events)
         self.cfg = cfg
         self.name = f"shmkv-chaos-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -199,9 +206,11 @@ class Controller(Audits, Report):
             need = min(self.cp_deaths.values())
             cands = [p for p in self.points if self.cp_deaths[p] == need]
             crash = self.rng.choice(cands)
+            if PLANT_AIM.get(a.plant) and self.rng.random() < 0.5:
+                crash = PLANT_AIM[a.plant]      # where the planted bug shows
             hi = {"recover_mid": 3, "create_mid": 4, "fork_mid": 3, "free_mid": 3,
                   "cow_after_copy": 2, "cow_commit_mid": 2, "publish_mid": 3,
-                  "trim_mid": 2}.get(crash, 8)
+                  "trim_mid": 2, "reset_mid": 2, "event_mid": 4}.get(crash, 8)
             countdown = self.rng.randint(1, hi)
             self.cp_armed[crash] += 1
         args = {"name": self.name, "journal": self.J.path, "failures": self.fail_path,

@@ -76,6 +76,15 @@ class Report:
                     "cached_blocks_evicted", "trimmed_blocks", "evictions_lru",
                     "evictions_lfu", "evictions_longest", "evictions_priority")},
             },
+            "events": {
+                "event_capacity": self.cfg.event_capacity,
+                "written": self.ev_next,
+                "read_by_workers": lf["events_read"], "lost_to_workers": lf["events_lost"],
+                "read_in_audits": self.events_audited,
+                "lost_between_audits": self.events_lost_audit,
+                "findable_blocks_matched_to_stored": self.stored_blocks_matched,
+                "resets": lf["resets"], "hits_excused_by_reset": lf["resets_excused"],
+            },
         }
         lines = self._read_failures() + self.fail_lines
         per_kind = {}
@@ -129,6 +138,12 @@ class Report:
               f"{r['prefix']['segment']['cached_blocks_evicted']}")),
             ("hashed blocks verified raw in audits", r["prefix"]["hashed_blocks_verified_in_audits"]),
             ("token ids verified", r["prefix"]["token_ids_verified"]),
+            ("KV events written / read by workers (lost) / in audits",
+             (f"{r['events']['written']} / {r['events']['read_by_workers']} "
+              f"({r['events']['lost_to_workers']}) / {r['events']['read_in_audits']}")),
+            ("findable blocks matched to their stored event; resets",
+             (f"{r['events']['findable_blocks_matched_to_stored']}; "
+              f"{r['events']['resets']}")),
             ("trims / in-flight trims resolved",
              f"{r['prefix']['trims']} / {r['prefix']['inflight_trims_resolved']}"),
             ("evict() calls / sequences evicted (of dead owners)",

@@ -35,6 +35,7 @@ from .common import (
     POOL_OP,
     Journal,
 )
+from .events import event_error
 from .worker_own import OwnOps
 from .worker_pool import PoolOps
 
@@ -57,6 +58,7 @@ class Worker(OwnOps, PoolOps):
         self.cache = None
         self.focus = None
         self.on_pool = False        # the call is on a pool (detached) sequence we claimed
+        self.ev_cursor = None       # next KV event seq this worker reads (op_events)
 
     # -- bookkeeping -------------------------------------------------------------------
     def bump(self, field, n=1):
@@ -115,7 +117,9 @@ class Worker(OwnOps, PoolOps):
         # an armed worker leans towards the calls that reach its crash point (the older
         # points sit on paths every step takes; these two need a long tokened sequence)
         self.focus = {"publish_mid": self.focus_publish,
-                      "trim_mid": self.focus_trim}.get(a.get("crash"))
+                      "trim_mid": self.focus_trim,
+                      "event_mid": self.focus_publish,
+                      "reset_mid": self.focus_reset}.get(a.get("crash"))
         self.J.busy[self.J.busy == self.lane + 1] = 0      # left by our lane's last death
         self.resolve_lane()
         dt = time.time_ns() - a["t_start_ns"]
@@ -169,8 +173,10 @@ class Worker(OwnOps, PoolOps):
             self.op_pool_claim()
         elif r < 0.79:
             self.op_pool_fork()
-        elif r < 0.95:
+        elif r < 0.94:
             self.op_pool_read()
+        elif r < 0.95:
+            self.op_events()
         elif r < 0.98:
             self.call("recover", self.cache.recover)
         else:
@@ -200,6 +206,50 @@ class Worker(OwnOps, PoolOps):
         if e.flags & F_RESERVE_OK and self.rng.random() < 0.4:
             return self.op_reserve_write(e, n)
         return self.append_n(e, n)
+
+    # -- KV events: a lock-free reader racing the writers, and the rare index reset -----
+    def op_events(self):
+        """Read the KV events after our cursor while other workers write (and die
+        writing) them: seqs dense (lost + returned == asked), every event whole and
+        well-formed.  Now and then reset the prefix index instead ("cleared")."""
+        if self.rng.random() < 0.03:
+            return self.op_reset()
+        c, bs = self.cache, self.bs
+        since = self.ev_cursor
+        if since is None:
+            since = self.call("events", c.events, 2**62).next_seq
+        b = self.call("events", c.events, since)
+        seqs = [ev.seq for ev in b.events]
+        if seqs != list(range(since + b.lost, since + b.lost + len(seqs))) \
+                or b.next_seq != since + b.lost + len(seqs):
+            self.fail("bad_event", f"events({since}): seqs {seqs[:5]}.. lost {b.lost} "
+                                   f"next {b.next_seq}: not dense")
+        for ev in b.events:
+            err = event_error(ev, bs)
+            if err:
+                self.fail("bad_event", f"event {ev.seq}: {err}: {ev}")
+                break
+        self.bump("events_read", len(b.events))
+        self.bump("events_lost", b.lost)
+        self.ev_cursor = b.next_seq
+
+    def op_reset(self):
+        self.call("reset_prefix", self.cache.reset_prefix_cache)
+        self.bump("resets")
+
+    def reset_since(self, seq):
+        """Did a reset_prefix_cache() ("cleared") happen since event seq (or can we not
+        tell: events lost)?  Excuses a prefix hit that stopped being findable."""
+        b = self.call("events", self.cache.events, seq)
+        return b.lost > 0 or any(ev.kind == "cleared" for ev in b.events)
+
+    def focus_reset(self):
+        """Armed with reset_mid: cached blocks to drop (a tokened prompt), then resets."""
+        if self.rng.random() < 0.5:
+            return self.op_reset()
+        if len(self.own) < self.MAX_OWN:
+            return self.op_create_prompt()
+        return self.op_free_own(self.rng.choice(list(self.own.values())))
 
     def focus_trim(self):
         """Armed with trim_mid: trims, mostly of pool sequences (a death mid-trim must
