@@ -158,7 +158,9 @@ cdef dict layout_dict(const shmkv_layout_t *l):
                 off_blocks=l.off_blocks, off_free=l.off_free, off_procs=l.off_procs,
                 off_seqs=l.off_seqs, off_seq_free=l.off_seq_free, off_tables=l.off_tables,
                 off_tokens=l.off_tokens, off_index=l.off_index, off_kpool=l.off_kpool, off_vpool=l.off_vpool,
-                segment_size=l.segment_size)
+                segment_size=l.segment_size, scale_bytes=l.scale_bytes,
+                scale_stride=l.scale_stride, off_kscale=l.off_kscale,
+                off_vscale=l.off_vscale, off_hscale=l.off_hscale)
 
 
 def layout_of(cfg):
