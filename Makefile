@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
-SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
+SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
 .PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean
@@ -17,7 +17,7 @@ $(DEPS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -U pip "setuptools>=64" wheel "Cython>=3.0,<4" "numpy>=1.24"
 	$(PIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "hypothesis>=6.80" "rich>=13" "Pillow>=9"
-	$(PIP) install -q "ml_dtypes>=0.3" "torch==2.13.0"
+	$(PIP) install -q "ml_dtypes>=0.3" "torch==2.13.0" "transformers==5.23.0"
 	touch $@
 
 $(BUILT): $(DEPS) $(SRC)
@@ -41,10 +41,12 @@ $(VENV)/.bench: $(DEPS)
 bench: install bench-deps
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/attention_bench.py
+	$(PY) benchmarks/transformers_bench.py
 
 bench-quick: install bench-deps
 	$(PY) benchmarks/run.py --quick
 	$(PY) benchmarks/attention_bench.py --quick
+	$(PY) benchmarks/transformers_bench.py --quick
 
 chaos: install
 	$(PY) tools/chaos

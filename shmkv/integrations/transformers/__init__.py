@@ -1,0 +1,43 @@
+"""Hugging Face transformers on a shmkv segment: ``ShmkvCache`` and ``attn_implementation="shmkv"``.
+
+``ShmkvCache`` is a ``transformers.Cache`` whose keys and values live in a shmkv segment:
+one shmkv sequence per batch row, blocks shared copy-on-write between beams, prompts
+shared through the host-wide prefix cache.  Importing this module registers the
+attention function ``"shmkv"`` (``AttentionInterface``) and its mask function
+(``AttentionMaskInterface``: no dense mask is built, only a padding mask is passed on).
+
+How the pieces meet (one forward of ``q_len`` tokens for ``B`` rows):
+
+* ``update(k, v, layer)`` -- layer 0 opens a *step*: each row's sequence is grown by
+  ``reserve(sid, q_len, tokens=...)`` (prompt tokens, when known, so that the blocks
+  they fill are published); every layer then scatters its K/V into those slots with one
+  ``write`` (one copy, ``[B, kv_heads, q_len, dim]`` -> slots); the last layer ``commit``\\ s
+  the prompt blocks.  Under ``"shmkv"`` attention it returns the new K/V only; under any
+  other implementation ("sdpa", "eager", ...) it returns the whole K/V of the rows, read
+  from the pools through the block tables (the one copy such an implementation needs).
+* The ``"shmkv"`` attention function runs ``cache.attention`` straight over the block
+  tables (decode, or causal chunked prefill with ``q_lens``): no gather, no copy of the
+  cache.  A batch with padding (a 2-D mask with zeros) cannot be expressed as plain
+  causal paged attention: it falls back to a dense masked attention over K/V read from
+  the pools (correct, slower).
+* ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` (beam search)
+  map to ``fork`` / ``free``: a row used once keeps its sequence, every further use is a
+  fork (blocks shared copy-on-write), unused rows are freed.
+
+Requires torch and transformers (``pip install "shmkv[transformers]"``); tested with
+transformers 5.23.0 and torch 2.13.0.
+"""
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .attention import ATTN_IMPLEMENTATION, shmkv_attention_forward, shmkv_mask
+from .cache import ShmkvCache
+from .config import config_for
+
+__all__ = ["ShmkvCache", "config_for", "shmkv_attention_forward", "shmkv_mask",
+           "ATTN_IMPLEMENTATION"]
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, shmkv_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, shmkv_mask)
