@@ -30,12 +30,12 @@
 SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) {
     if (dt == SHMKV_ATT_I8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    if (dt == SHMKV_ATT_E4M3) {
-        const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-        const __m512i b = _mm512_or_si512(
-            _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20),
-            _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24));
-        return _mm512_mul_ps(_mm512_castsi512_ps(b), _mm512_set1_ps(SHMKV_E4M3_F32_MUL));
+    if (dt == SHMKV_ATT_E4M3) {             /* 16 codes -> float16 bits -> floats / 2^8 */
+        /* sign-extended to 16 bits and shifted by 7: the sign lands on bits 15 and 14,
+         * (eeee mmm) on 13..7; clearing bit 14 leaves the float16 of SHMKV_E4M3_F16_BITS */
+        const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7),
+                                                _mm256_set1_epi16((short)0xbfff)));
     }
     if (dt == SHMKV_ATT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     if (dt == SHMKV_ATT_BF16)
@@ -109,12 +109,10 @@ SHMKV_AI float FN(vmax16)(const float *s) {
 SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) {
     if (dt == SHMKV_ATT_I8)
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    if (dt == SHMKV_ATT_E4M3) {
-        const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-        const __m256i b = _mm256_or_si256(
-            _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20),
-            _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24));
-        return _mm256_mul_ps(_mm256_castsi256_ps(b), _mm256_set1_ps(SHMKV_E4M3_F32_MUL));
+    if (dt == SHMKV_ATT_E4M3) {             /* 8 codes -> float16 bits -> floats / 2^8 */
+        const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+        return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7),
+                                             _mm_set1_epi16((short)0xbfff)));
     }
     if (dt == SHMKV_ATT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     if (dt == SHMKV_ATT_BF16)
@@ -386,7 +384,8 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
                     vsc[j] = a->vscale[slot[w][j] * a->hkv + h];
                 }
             } else if (dt == SHMKV_ATT_E4M3) {
-                const float kh = a->khead[h], vh = a->vhead[h];
+                /* the loads read codes / 2^8 (see SHMKV_E4M3_F16_BITS) */
+                const float kh = a->khead[h] * SHMKV_E4M3_UNIT, vh = a->vhead[h] * SHMKV_E4M3_UNIT;
                 for (uint32_t j = 0; j < nt; j++) { ksc[j] = kh; vsc[j] = vh; }
             }
             /* the next tile's rows of this head are prefetched a tile ahead, spread over

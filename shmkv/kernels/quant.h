@@ -124,18 +124,20 @@ static int shmkv_quant_e4m3(const float *x, uint32_t layers, uint64_t n, uint32_
     return SHMKV_OK;
 }
 
-/* codes [layers][n][heads][d] -> floats, times hs[layer * heads + head]. */
+/* codes [layers][n][heads][d] -> floats, times hs[layer * heads + head].  Through a
+ * 256-entry table built per call (the bit trick above multiplies float32 denormals for
+ * the subnormal codes: a microcode assist each, 256 of them here instead of one per
+ * element). */
 static void shmkv_dequant_e4m3(const uint8_t *q, uint32_t layers, uint64_t n, uint32_t heads,
                                uint32_t d, const float *hs, float *x) {
+    float lut[256];
+    for (uint32_t i = 0; i < 256; i++) lut[i] = shmkv_e4m3_to_f32((uint8_t)i);
     for (uint32_t l = 0; l < layers; l++)
         for (uint64_t t = 0; t < n; t++)
             for (uint32_t h = 0; h < heads; h++) {
                 const uint64_t row = ((uint64_t)l * n + t) * heads + h;
-                const float sc = shmkv_load_scale(&hs[(uint64_t)l * heads + h]) * SHMKV_E4M3_MUL;
-                for (uint32_t i = 0; i < d; i++)
-                    x[row * d + i] = shmkv_bits_f32(
-                        ((uint32_t)(q[row * d + i] & 0x7fu) << 20) |
-                        ((uint32_t)(q[row * d + i] & 0x80u) << 24)) * sc;
+                const float sc = shmkv_load_scale(&hs[(uint64_t)l * heads + h]);
+                for (uint32_t i = 0; i < d; i++) x[row * d + i] = lut[q[row * d + i]] * sc;
             }
 }
 
