@@ -64,7 +64,8 @@ cdef class DataOps(SequenceOps):
 
     # ---- quantized pools ------------------------------------------------------------------
     cdef cnp.ndarray _farray(self, object a, str what, int ndim):
-        """A quantized pool's input: float32 / float16 / bfloat16 -> C-contiguous float32."""
+        """A quantized pool's input: float32 / float16 as they are (C-contiguous), bfloat16
+        -> float32 (the quantizers read float32 and float16)."""
         if not isinstance(a, np.ndarray):
             raise TypeError(f"{what}: expected numpy.ndarray, got {type(a).__name__}")
         dt = a.dtype
@@ -73,11 +74,11 @@ cdef class DataOps(SequenceOps):
                             f"{self.config.dtype} pool quantizes floats), got {dt}")
         if a.ndim != ndim:
             raise ValueError(f"{what}: expected a {ndim}-d array, got shape {a.shape}")
-        return np.ascontiguousarray(a, dtype=np.float32)
+        return np.ascontiguousarray(a, dtype=np.float16 if dt.name == "float16" else np.float32)
 
     cdef tuple _quantize(self, cnp.ndarray x, uint32_t layers, uint64_t n, uint32_t layer0,
                          int is_v, str what):
-        """x: float32 [layers][n][heads][d] -> (codes of x's shape in the pool's dtype,
+        """x: float32 or float16 [layers][n][heads][d] -> (codes of x's shape in the pool's dtype,
         float32 scales [layers][n][heads] or None).  ValueError on a non-finite value:
         nothing in the segment is touched (this runs before any lock)."""
         cdef shmkv_ctx_t *c = ctx_of(self)
@@ -85,18 +86,19 @@ cdef class DataOps(SequenceOps):
         cdef uint64_t rows = <uint64_t>layers * n * hkv
         cdef cnp.ndarray q = np.empty((<object>x).shape, np.int8)
         cdef cnp.ndarray sc = None
-        cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
+        cdef const void *xp = <const void *>cnp.PyArray_DATA(x)
+        cdef int f16 = cnp.PyArray_ITEMSIZE(x) == 2
         cdef int st
         cdef const float *hs
         if c.cfg.dtype == SHMKV_I8:
             sc = np.empty((<object>x).shape[:-1], np.float32)
             with nogil:
-                st = shmkv_quant_i8(xp, rows, d, <int8_t *>cnp.PyArray_DATA(q),
+                st = shmkv_quant_i8(xp, f16, rows, d, <int8_t *>cnp.PyArray_DATA(q),
                                     <float *>cnp.PyArray_DATA(sc))
         else:
             hs = c.hscale + (<uint64_t>is_v * c.cfg.num_layers + layer0) * hkv
             with nogil:
-                st = shmkv_quant_e4m3(xp, layers, n, hkv, d, hs,
+                st = shmkv_quant_e4m3(xp, f16, layers, n, hkv, d, hs,
                                       <uint8_t *>cnp.PyArray_DATA(q))
         if st != SHMKV_OK:
             raise ValueError(f"{what}: expected finite values (a {self.config.dtype} pool "
@@ -637,6 +639,22 @@ cdef class DataOps(SequenceOps):
         if np.shares_memory(res[0], res[1]):
             raise ValueError("out: k_out and v_out must not overlap")
         return tuple(res)
+
+
+def _force_quant_isa(name):
+    """Test hook: the quantizers' path, "scalar" (portable C) or "avx2" (if the CPU has
+    it), or None for the best.  Returns the path now in use."""
+    if name is None:
+        shmkv_q_isa = -1
+    elif name == "scalar":
+        shmkv_q_isa = 0
+    elif name == "avx2":
+        shmkv_q_isa = -1
+        if shmkv_quant_isa() != 1:
+            raise ValueError("isa 'avx2': this CPU has no AVX2 + F16C")
+    else:
+        raise ValueError(f"isa: expected 'scalar', 'avx2' or None, got {name!r}")
+    return ("scalar", "avx2")[shmkv_quant_isa()]
 
 
 cdef object _aligned_empty(tuple shape, object dtype):

@@ -11,7 +11,7 @@ import pytest
 from mp_workers import exact_quantized
 
 import shmkv
-from shmkv import _attention
+from shmkv import _attention, _kvdata
 
 QDTYPES = ["int8", "float8_e4m3"]
 ISAS = [n for n in ("scalar", "avx2", "avx512")
@@ -28,6 +28,19 @@ def isa(request):
         yield request.param
     finally:
         _attention._force_isa(before)
+
+
+@pytest.fixture(params=["scalar", "avx2"])
+def qisa(request):
+    """The quantizers' two paths (portable C, AVX2 + F16C), forced in turn."""
+    try:
+        _kvdata._force_quant_isa(request.param)
+    except ValueError:
+        pytest.skip("no AVX2 + F16C on this CPU")
+    try:
+        yield request.param
+    finally:
+        _kvdata._force_quant_isa(None)
 
 
 def kv(cfg, n, rng, spread=True):
@@ -71,7 +84,7 @@ def test_config_round_trip_and_sizes(make_cache, dtype):
 
 
 # ---- round trips --------------------------------------------------------------------------
-def test_int8_round_trip_bound(make_cache):
+def test_int8_round_trip_bound(make_cache, qisa):
     """|x - deq(q(x))| <= s / 2 per element, s = max|x| / 127 of its (token, head) row;
     gather == codes * scales; the raw view and the scale view hold the same."""
     cache = make_cache(dtype="int8", head_dim=64)
@@ -103,7 +116,7 @@ def test_int8_round_trip_bound(make_cache):
     assert cache.check() == []
 
 
-def test_e4m3_codec_matches_ml_dtypes(make_cache):
+def test_e4m3_codec_matches_ml_dtypes(make_cache, qisa):
     """Codes equal ml_dtypes' float8_e4m3fn cast (round to nearest even) over the whole
     range, subnormals and ties included; beyond +-448 they saturate."""
     cache = make_cache(dtype="float8_e4m3", num_layers=1, num_kv_heads=1, head_dim=16,
@@ -130,7 +143,7 @@ def test_e4m3_codec_matches_ml_dtypes(make_cache):
     assert np.array_equal(cache.gather(s2)[0].reshape(-1), np.clip(big, -448, 448))
 
 
-def test_e4m3_round_trip_bound_with_scales(make_cache):
+def test_e4m3_round_trip_bound_with_scales(make_cache, qisa):
     """relative error <= 2^-4 where |x / s| >= 2^-6, absolute <= s 2^-10 below; the per-
     (layer, head) scales of set_kv_scales divide on the way in, multiply on the way out."""
     cache = make_cache(dtype="float8_e4m3", head_dim=32)
@@ -161,7 +174,7 @@ def test_e4m3_round_trip_bound_with_scales(make_cache):
 
 @pytest.mark.parametrize("dtype", QDTYPES)
 @pytest.mark.parametrize("src", ["float32", "float16", "bfloat16"])
-def test_write_paths_agree(make_cache, dtype, src):
+def test_write_paths_agree(make_cache, qisa, dtype, src):
     """append, reserve + write (one layer at a time) and float16/bfloat16 input give the
     same codes and scales as float32 append of the same values."""
     cache = make_cache(dtype=dtype)
@@ -317,7 +330,7 @@ def test_attention_prefill_and_gqa(make_cache, isa, dtype):
 # ---- bad input changes nothing -------------------------------------------------------------
 @pytest.mark.parametrize("dtype", QDTYPES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_input_raises_before_anything_is_written(make_cache, dtype, bad):
+def test_non_finite_input_raises_before_anything_is_written(make_cache, qisa, dtype, bad):
     cache = make_cache(dtype=dtype)
     cfg = cache.config
     rng = np.random.default_rng(9)
@@ -334,7 +347,7 @@ def test_non_finite_input_raises_before_anything_is_written(make_cache, dtype, b
     v16 = v.astype(np.float16)
     v16[0, 0, 0, 0] = bad
     with pytest.raises(ValueError, match="finite"):
-        cache.append(sid, k * 0, v16)
+        cache.append(sid, np.zeros_like(k), v16)
     slots = cache.reserve(sid, 2)
     before = footprint(cache, [sid, child])
     with pytest.raises(ValueError, match="finite"):
@@ -366,6 +379,28 @@ def test_wrong_dtypes_and_shapes(make_cache, dtype):
         cache.write(0, np.array([cfg.num_blocks * cfg.block_size]), a[0], a[0])
     assert footprint(cache, [sid]) == before
     assert cache.check() == []
+
+
+def test_quant_paths_agree(make_cache):
+    """The portable and the AVX2 quantizers give the same codes and scales, float16 input
+    included, for both dtypes."""
+    rng = np.random.default_rng(12)
+    for dtype in QDTYPES:
+        cache = make_cache(dtype=dtype, head_dim=64)
+        k, v = kv(cache.config, 11, rng)
+        k[0, :, 0, :5] = [1e-9, -3e-3, 7e-3, 500.0, -6e4]     # subnormal, saturating codes
+        got = []
+        for path in ("scalar", "avx2"):
+            try:
+                _kvdata._force_quant_isa(path)
+            except ValueError:
+                pytest.skip("no AVX2 + F16C on this CPU")
+            for x in (k, k.astype(np.float16)):
+                sid = cache.create_sequence()
+                cache.append(sid, x, v)
+                got.append([a.view(np.uint8).tobytes() for a in cache.gather(sid, raw=True)])
+        _kvdata._force_quant_isa(None)
+        assert got[0] == got[2] and got[1] == got[3]
 
 
 def test_scale_calls_on_the_wrong_pool(make_cache):
