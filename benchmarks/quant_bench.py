@@ -8,7 +8,9 @@ One layer of Llama-3-8B (32 q heads over 8 kv heads, head_dim 128, block 16); de
 query row per sequence.  The three pools hold the same K/V (random normals; speed does not
 depend on the values).  Calls of the three dtypes are interleaved round by round (A B C A B
 C ...) so that load from the other users of the machine falls on all of them alike; the
-table gives medians and the ratio to float16.  ``os.getloadavg()`` is printed before and
+table gives medians and the ratio to float16, and each pool's read floor (every byte of
+its K and V pools, and an int8 pool's scales, read once by ``_attention.bench_read`` on
+the kernel's threads), timed in the same rounds.  ``os.getloadavg()`` is printed before and
 after.  Tokens per GiB: a whole Llama-3-8B (32 layers) at each dtype, from
 ``CacheConfig.bytes_per_token`` (the int8 pool's per-token scales included).
 """
@@ -59,6 +61,7 @@ def bench_case(batch, length, rounds, threads):
     q = np.random.default_rng(1).standard_normal((batch, HQ, D)).astype(np.float32)
     out = np.empty_like(q)
     samples = {dt: [] for dt in DTYPES}
+    floor = {dt: [] for dt in DTYPES}
     try:
         for dt in DTYPES:                                   # warm: page in, threads up
             c, s = caches[dt]
@@ -70,6 +73,12 @@ def bench_case(batch, length, rounds, threads):
                 t0 = time.perf_counter_ns()
                 c.attention(0, q, s, out=out)
                 samples[dt].append(time.perf_counter_ns() - t0)
+                # the read floor: every byte of the pools (and int8 scales) read once
+                f = _attention.bench_read(c.key_cache(0)) + _attention.bench_read(c.value_cache(0))
+                if dt == "int8":
+                    f += _attention.bench_read(c.key_scales(0)) + _attention.bench_read(
+                        c.value_scales(0))
+                floor[dt].append(f * 1e9)
         kv_bytes = {dt: 2 * batch * length * HKV * D * (2 if dt == "float16" else 1)
                     + (2 * batch * length * HKV * 4 if dt == "int8" else 0) for dt in DTYPES}
     finally:
@@ -79,8 +88,10 @@ def bench_case(batch, length, rounds, threads):
     res = {}
     for dt in DTYPES:
         xs = sorted(samples[dt])
+        fl = sorted(floor[dt])
         res[dt] = dict(median_ms=xs[len(xs) // 2] / 1e6, p10_ms=xs[len(xs) // 10] / 1e6,
-                       p90_ms=xs[9 * len(xs) // 10] / 1e6, bytes=kv_bytes[dt])
+                       p90_ms=xs[9 * len(xs) // 10] / 1e6, bytes=kv_bytes[dt],
+                       floor_ms=fl[len(fl) // 2] / 1e6)
     base = res["float16"]["median_ms"]
     for dt in DTYPES:
         res[dt]["vs_fp16"] = res[dt]["median_ms"] / base
@@ -114,7 +125,8 @@ def main(argv=None):
         r = bench_case(batch, length, a.rounds or rounds, a.threads)
         results.append(dict(batch=batch, length=length, **{dt: r[dt] for dt in DTYPES}))
         print(f"{batch} x {length}: " + ", ".join(
-            f"{dt} {r[dt]['median_ms']:.2f} ms ({r[dt]['vs_fp16']:.2f}x)" for dt in DTYPES))
+            f"{dt} {r[dt]['median_ms']:.2f} ms ({r[dt]['vs_fp16']:.2f}x, floor "
+            f"{r[dt]['floor_ms']:.2f})" for dt in DTYPES))
     meta["load_after"] = os.getloadavg()
     cap = tokens_per_gib()
     print("tokens per GiB (Llama-3-8B, 32 layers):",
