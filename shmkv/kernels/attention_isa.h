@@ -239,12 +239,16 @@ SHMKV_AI void FN(scores_k)(const float *q, const uint8_t *const *krow, uint32_t 
         FN(scores_blk)(q, krow + j, d, s4 + 4 * j, dt, NG, 1);
     }
     for (uint32_t i = j; i < npf; i++) shmkv_att_prefetch(pf[i], rb);
-    if (SHMKV_QUANT(dt))                        /* q . (s k) = s (q . k): one multiply per score */
+    if (SHMKV_QUANT(dt)) {                      /* q . (s k) = s (q . k): one multiply per score */
+        /* the whole tile (a constant trip count): past nt the scores are masked to -inf
+         * by the item before any use; the unused s4 entries are zeroed, not read raw */
+        if (nt < TILE) memset(s4 + 4 * nt, 0, sizeof(float) * 4 * (TILE - nt));
         for (int g = 0; g < NG; g++)
-            for (uint32_t t = 0; t < nt; t++) s[g * TILE + t] = s4[4 * t + g] * ksc[t];
-    else
+            for (uint32_t t = 0; t < TILE; t++) s[g * TILE + t] = s4[4 * t + g] * ksc[t];
+    } else {
         for (int g = 0; g < NG; g++)            /* [token][g] -> [g][token] */
             for (uint32_t t = 0; t < nt; t++) s[g * TILE + t] = s4[4 * t + g];
+    }
 }
 
 /* ---- acc[g][c0, c0 + CCN W) = acc * alpha[g] + sum_j p[g][j] v[j][c0, ...) ----------- */
@@ -319,9 +323,9 @@ static void FN(vacc)(float *acc, uint32_t ng, const float *alpha, const float *p
                      const uint8_t *const *pf, uint32_t npf, const float *vsc) {
     float ps[4 * TILE];
     if (SHMKV_QUANT(dt)) {                      /* sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j */
+        /* p and vsc are 0 past nt (masked keys; see the item): one vector multiply per g */
         for (uint32_t g = 0; g < ng; g++)
-            for (uint32_t j = 0; j < TILE; j++)
-                ps[g * TILE + j] = j < nt ? p[g * TILE + j] * vsc[j] : 0.0f;
+            for (uint32_t j = 0; j < TILE; j++) ps[g * TILE + j] = p[g * TILE + j] * vsc[j];
         p = ps;
     }
 #define SHMKV_VA(DT, NG) FN(vacc_k)(acc, alpha, p, vrow, nt, d, DT, NG, pf, npf)
@@ -388,6 +392,8 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
                 const float kh = a->khead[h] * SHMKV_E4M3_UNIT, vh = a->vhead[h] * SHMKV_E4M3_UNIT;
                 for (uint32_t j = 0; j < nt; j++) { ksc[j] = kh; vsc[j] = vh; }
             }
+            if (SHMKV_QUANT(dt))                 /* past the tile's keys: 0 (vacc's multiply) */
+                for (uint32_t j = nt; j < TILE; j++) ksc[j] = vsc[j] = 0.0f;
             /* the next tile's rows of this head are prefetched a tile ahead, spread over
              * the score and V loops of the first query group: the rows of one head are
              * hstride bytes every tok bytes, a stride the hardware prefetchers miss */
