@@ -9,7 +9,8 @@ BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean
+.PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean \
+	redis cluster cluster-stop two-hosts bench-tier
 
 all: install
 
@@ -18,7 +19,35 @@ $(DEPS): pyproject.toml
 	$(PIP) install -q -U pip "setuptools>=64" wheel "Cython>=3.0,<4" "numpy>=1.24"
 	$(PIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "hypothesis>=6.80" "rich>=13" "Pillow>=9"
 	$(PIP) install -q "ml_dtypes>=0.3" "torch==2.13.0" "transformers==5.23.0"
+	$(PIP) install -q "redis==8.1.0"
 	touch $@
+
+# Debian's redis-server 7 (the remote tier's tests start their own cluster from it):
+# installed with apt-get when missing (CI runs as root on a fresh machine).
+REDIS_SERVER := $(shell command -v redis-server 2>/dev/null)
+redis:
+ifeq ($(REDIS_SERVER),)
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	elif command -v sudo >/dev/null; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	else echo "redis-server is missing: apt-get install redis-server (the tier tests skip without it)"; fi
+endif
+
+# A 3-master Redis Cluster on 127.0.0.1:7000-7002 (data and PIDs under $(CLUSTER_DIR)).
+CLUSTER_DIR ?= /tmp/shmkv-cluster
+CLUSTER_PORTS ?= 7000,7001,7002
+# (run from /tmp: in the checkout, the source tree would shadow the installed package)
+cluster: install redis
+	cd /tmp && $(abspath $(PY)) -m shmkv.tier.cluster start --ports $(CLUSTER_PORTS) --dir $(CLUSTER_DIR)
+
+cluster-stop: install
+	cd /tmp && $(abspath $(PY)) -m shmkv.tier.cluster stop --dir $(CLUSTER_DIR)
+
+# Two segments standing for two hosts, one cluster (make cluster first).
+two-hosts: install
+	$(PY) tools/two_hosts.py --url redis://127.0.0.1:$(firstword $(subst $(comma), ,$(CLUSTER_PORTS)))
+
+bench-tier: install bench-deps redis
+	$(PY) benchmarks/tier_bench.py
 
 $(BUILT): $(DEPS) $(SRC)
 	rm -rf build
@@ -30,12 +59,14 @@ install: $(BUILT)
 demo: install
 	$(VENV)/bin/shmkv demo
 
-test: install
+comma := ,
+
+test: install redis
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
 
 bench-deps: $(VENV)/.bench
 $(VENV)/.bench: $(DEPS)
-	$(PIP) install -q "lmdb>=1.4" "redis>=5" "matplotlib>=3.7"
+	$(PIP) install -q "lmdb>=1.4" "redis>=5" "hiredis==3.4.2" "matplotlib>=3.7"
 	touch $(VENV)/.bench
 
 bench: install bench-deps
@@ -75,5 +106,5 @@ debug: $(DEPS)
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
 
 clean:
-	rm -rf build dist *.egg-info shmkv/*.so shmkv/_core.c .pytest_cache .hypothesis
+	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .pytest_cache .hypothesis .mypy_cache
 	rm -rf $(VENV)

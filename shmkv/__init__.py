@@ -16,5 +16,20 @@ __all__ = [
     "LockTimeout",
     "set_num_threads",
     "get_num_threads",
+    "RedisTier",
     "__version__",
 ]
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .tier import RedisTier as RedisTier
+
+
+def __getattr__(name: str) -> Any:
+    # the remote tier is imported on first use: ``import shmkv`` never imports redis
+    if name == "RedisTier":
+        from .tier import RedisTier
+
+        return RedisTier
+    raise AttributeError(f"module 'shmkv' has no attribute {name!r}")

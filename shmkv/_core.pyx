@@ -312,8 +312,26 @@ def _after_fork_child():
 os.register_at_fork(after_in_child=_after_fork_child)
 
 
+cdef uint64_t _create_seed(object hash_seed) except? 0:
+    """The block-hash seed of a new segment: ``hash_seed``, else $SHMKV_HASH_SEED, else
+    random.  Hosts that share a remote tier need one seed (it is in the tier's keys)."""
+    if hash_seed is None:
+        env = os.environ.get("SHMKV_HASH_SEED")
+        if env:
+            try:
+                hash_seed = int(env, 0)
+            except ValueError:
+                raise ValueError(f"SHMKV_HASH_SEED: expected an int, got {env!r}") from None
+    if hash_seed is None:
+        return secrets.randbits(64) | 1
+    if isinstance(hash_seed, bool) or not isinstance(hash_seed, int) \
+            or not 0 < hash_seed < (1 << 64):
+        raise ValueError(f"hash_seed: expected an int in [1, 2**64), got {hash_seed!r}")
+    return <uint64_t>hash_seed
+
+
 cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populate,
-                       double timeout, bint recover=True):
+                       double timeout, bint recover=True, object hash_seed=None):
     """Opens (or creates) the named segment and returns this process's attachment."""
     cdef shmkv_config_t ccfg
     cdef shmkv_layout_t lay
@@ -323,6 +341,7 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
     cdef _Mapping m
     cdef shmkv_recovery_t r
     if create:
+        seed = _create_seed(hash_seed)
         ccfg = _cfg_struct(cfg)
         if shmkv_layout_compute(&ccfg, &lay) != SHMKV_OK:
             raise ValueError(f"config: the segment would be too large: {cfg!r}")
@@ -343,8 +362,7 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
             # tmpfs zero-fills fallocated pages at first touch: populating here pays
             # that once, at create, instead of on the first decode steps
             m = _Mapping.map(fd, lay.segment_size, True, populate)
-            st = shmkv_seg_init(m.base, &ccfg, os.getpid(), time.time_ns(),
-                                secrets.randbits(64))
+            st = shmkv_seg_init(m.base, &ccfg, os.getpid(), time.time_ns(), seed)
             if st != SHMKV_OK:
                 raise_status(st, f"create {name}")
         except BaseException:
@@ -431,13 +449,15 @@ cdef class Segment:
         self._closed = False
 
     @classmethod
-    def _create(cls, name, cfg, int mode=0o600, bint populate=True, double timeout=10.0):
+    def _create(cls, name, cfg, int mode=0o600, bint populate=True, double timeout=10.0,
+                hash_seed=None):
         if not isinstance(cfg, CacheConfig):
             raise TypeError(f"config: expected CacheConfig, got {type(cfg).__name__}")
         if mode < 0 or mode > 0o777:
             raise ValueError(f"mode: expected 0 <= mode <= 0o777, got {oct(mode)}")
         cdef Segment self = cls.__new__(cls)
-        self._bind(_open(_norm_name(name), True, cfg, mode, populate, timeout))
+        self._bind(_open(_norm_name(name), True, cfg, mode, populate, timeout, True,
+                         hash_seed))
         return self
 
     @classmethod

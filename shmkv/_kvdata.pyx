@@ -314,6 +314,7 @@ cdef class DataOps(SequenceOps):
         cdef uint8_t *ksb = NULL if ksc is None else <uint8_t *>cnp.PyArray_DATA(ksc)
         cdef uint8_t *vsb = NULL if vsc is None else <uint8_t *>cnp.PyArray_DATA(vsc)
         cdef cnp.ndarray ids = None if tokens is None else as_ids(tokens, n)
+        cdef uint32_t before
         self._lock_and_grow(c, s, n, &slot, &pl)
         try:
             if ids is None:
@@ -338,9 +339,12 @@ cdef class DataOps(SequenceOps):
             shmkv_seq_touch(c, slot)
             shmkv_count_proc(c, SHMKV_PC_APPENDED, n)
             if c.seqs[slot].hash_ready > c.seqs[slot].hashed:
+                before = c.seqs[slot].hashed
                 pool_lock(c)
                 shmkv_seq_publish_locked(c, slot)
                 shmkv_pool_unlock(c)
+                if self._tier is not None:          # write-through: a queue put, no I/O
+                    self._tier_published(c, slot, before)
         finally:
             shmkv_seq_unlock(c, slot)
 

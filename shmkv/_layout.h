@@ -162,13 +162,18 @@ enum { SHMKV_HASH_XXH = 1, SHMKV_HASH_SHA256 = 2 };
     X(EVICT_LONGEST, "evictions_longest")                                             \
     X(EVICT_PRIORITY, "evictions_priority")                                           \
     X(TRIMMED_BLOCKS, "trimmed_blocks")                                               \
-    X(PROCS_ATTACHED, "processes_attached")
+    X(PROCS_ATTACHED, "processes_attached")                                           \
+    X(TIER_HITS, "tier_hits")                /* blocks loaded from the remote tier */  \
+    X(TIER_MISSES, "tier_misses")            /* asked, absent/corrupt/foreign there */ \
+    X(TIER_ERRORS, "tier_errors")            /* tier calls that failed (net, server) */\
+    X(TIER_BYTES_IN, "tier_bytes_in")        /* value bytes read from the tier */      \
+    X(TIER_BYTES_OUT, "tier_bytes_out")      /* value bytes stored in the tier */
 
 #define SHMKV_X_ENUM(id, name) SHMKV_C_##id,
 enum { SHMKV_COUNTERS(SHMKV_X_ENUM) SHMKV_NCOUNTERS };
 #undef SHMKV_X_ENUM
 #define SHMKV_X_NAME(id, name) name,
-static const char *SHMKV_COUNTER_NAMES[] = { SHMKV_COUNTERS(SHMKV_X_NAME) NULL };
+static const char *const SHMKV_COUNTER_NAMES[] = { SHMKV_COUNTERS(SHMKV_X_NAME) NULL };
 #undef SHMKV_X_NAME
 #define SHMKV_COUNTER_SLOTS 32       /* room to add counters without moving fields */
 

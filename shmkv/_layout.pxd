@@ -38,6 +38,8 @@ cdef extern from "_layout.h" nogil:
         SHMKV_C_PREFIX_HITS
         SHMKV_C_EVICT_LRU
         SHMKV_C_TRIMMED_BLOCKS
+        SHMKV_C_TIER_HITS, SHMKV_C_TIER_MISSES, SHMKV_C_TIER_ERRORS
+        SHMKV_C_TIER_BYTES_IN, SHMKV_C_TIER_BYTES_OUT
 
     ctypedef struct shmkv_config_t:
         uint32_t num_layers, num_kv_heads, head_dim, block_size

@@ -9,6 +9,8 @@ from shmkv._inspect cimport InspectOps
 
 
 cdef class PrefixOps(InspectOps):
+    cdef object _tier            # the remote tier this handle writes through to, or None
+    cdef int _tier_published(self, shmkv_ctx_t *c, uint32_t slot, uint32_t before) except -1
     cdef cnp.ndarray _chain(self, cnp.ndarray ids, uint32_t nfull, uint64_t *salt)
     cdef int _hash_blocks(self, shmkv_ctx_t *c, uint32_t slot, uint64_t upto) except -1
 

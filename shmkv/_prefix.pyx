@@ -11,6 +11,12 @@ sequence filled (seq.hash_ready, under the sequence lock), the hash index and th
 list (shmkv_seq_publish_locked, under pool_lock), seq.priority (sequence lock), whole
 sequences freed by evict (pool_lock, each sequence try-locked), a table compacted by
 trim_streaming (sequence lock, then pool_lock, under its trim journal).
+
+The remote tier's hooks (shmkv/tier/ holds the tier itself): set_tier / flush_tier, the
+tier counters (relaxed atomic adds), the write-through hook that hands the hashes of
+blocks just published to the tier's queue (_tier_published: no copy, no network on the
+caller's thread), the pin its writer reads them through (_tier_pin: a sequence taking
+blocks by hash, as a prefix hit does) and the value checksum (tier_checksum).
 """
 import hashlib
 
@@ -19,12 +25,60 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
 
 from shmkv._core cimport *
 from shmkv._inspect cimport InspectOps
 
+cdef extern from *:
+    """
+    /* The tier's value checksum: four xxh64-style lanes over 8-byte words (one multiply
+     * and one rotate per word, independent chains: memory speed, ~10 GB/s), the tail
+     * bytes, a final avalanche.  Not a hash for adversaries: it catches flipped bits and
+     * truncations; the value's fingerprint and block hash catch foreign ones. */
+    static inline uint64_t shmkv_ck_rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+    static uint64_t shmkv_tier_checksum(const uint8_t *p, size_t n, uint64_t seed) {
+        const uint64_t P1 = 0x9E3779B185EBCA87ULL, P2 = 0xC2B2AE3D27D4EB4FULL,
+                       P3 = 0x165667B19E3779F9ULL;
+        uint64_t a0 = seed + P1 + P2, a1 = seed + P2, a2 = seed, a3 = seed - P1;
+        size_t i = 0;
+        for (; i + 32 <= n; i += 32) {
+            uint64_t w[4];
+            memcpy(w, p + i, 32);
+            a0 = shmkv_ck_rotl(a0 + w[0] * P2, 31) * P1;
+            a1 = shmkv_ck_rotl(a1 + w[1] * P2, 31) * P1;
+            a2 = shmkv_ck_rotl(a2 + w[2] * P2, 31) * P1;
+            a3 = shmkv_ck_rotl(a3 + w[3] * P2, 31) * P1;
+        }
+        uint64_t h = shmkv_ck_rotl(a0, 1) + shmkv_ck_rotl(a1, 7) + shmkv_ck_rotl(a2, 12)
+                   + shmkv_ck_rotl(a3, 18) + (uint64_t)n;
+        for (; i < n; i++)
+            h = shmkv_ck_rotl(h ^ ((uint64_t)p[i] * P3), 11) * P1;
+        h ^= h >> 33; h *= P2; h ^= h >> 29; h *= P3; h ^= h >> 32;
+        return h;
+    }
+    """
+    uint64_t shmkv_tier_checksum(const uint8_t *p, size_t n, uint64_t seed) nogil
+
 cnp.import_array()
 bind_debug_state()
+
+_TIER_COUNTERS = (SHMKV_C_TIER_HITS, SHMKV_C_TIER_MISSES, SHMKV_C_TIER_ERRORS,
+                  SHMKV_C_TIER_BYTES_IN, SHMKV_C_TIER_BYTES_OUT)
+
+
+def tier_checksum(const uint8_t[::1] data, uint64_t seed=0):
+    """The remote tier's value checksum (64-bit; see shmkv_tier_checksum above) of a
+    contiguous buffer; the GIL is released for large ones."""
+    cdef size_t n = data.shape[0]
+    cdef const uint8_t *p = &data[0] if n else NULL
+    cdef uint64_t h
+    if n >= 65536:
+        with nogil:
+            h = shmkv_tier_checksum(p, n, seed)
+    else:
+        h = shmkv_tier_checksum(p, n, seed)
+    return h
 
 _POLICIES = {"lru": SHMKV_C_EVICT_LRU, "lfu": SHMKV_C_EVICT_LRU + 1,
              "longest": SHMKV_C_EVICT_LRU + 2, "priority": SHMKV_C_EVICT_LRU + 3}
@@ -123,6 +177,9 @@ cdef class PrefixOps(InspectOps):
         pool_lock(c)
         hits = shmkv_prefix_match_locked(c, <const uint64_t *>cnp.PyArray_DATA(hashes), nfull)
         shmkv_pool_unlock(c)
+        if self._tier is not None and hits < nfull:
+            # the tier's consecutive blocks are loaded and published here (never raises)
+            hits = self._tier.extend(self, None, ids, salt, hashes, hits)
         return hits * c.cfg.block_size
 
     cdef cnp.ndarray _chain(self, cnp.ndarray ids, uint32_t nfull, uint64_t *salt):
@@ -187,6 +244,8 @@ cdef class PrefixOps(InspectOps):
                 pool_lock(c)
                 shmkv_seq_publish_locked(c, slot)
                 shmkv_pool_unlock(c)
+                if self._tier is not None:
+                    self._tier_published(c, slot, before)
             return c.seqs[slot].hashed - before
         finally:
             shmkv_seq_unlock(c, slot)
@@ -342,7 +401,7 @@ cdef class PrefixOps(InspectOps):
     def trimmed(self, sid):
         """Tokens trim_streaming dropped from this sequence so far."""
         cdef shmkv_ctx_t *c = ctx_of(self)
-        cdef uint32_t slot
+        cdef uint32_t slot = 0
         cdef int64_t s = as_sid(sid)
         st = shmkv_sid_slot(c, s, &slot)
         if st != SHMKV_OK:
@@ -370,3 +429,103 @@ cdef class PrefixOps(InspectOps):
         finally:
             shmkv_seq_unlock(c, slot)
 
+
+    # ---- the remote tier (shmkv/tier/) ---------------------------------------------------
+    def set_tier(self, tier):
+        """Write published blocks through to ``tier`` and extend prefix hits from it
+        (``shmkv.RedisTier``); ``None`` turns it off (queued writes are flushed first,
+        for at most the tier's ``close_timeout``).  Per handle, per process."""
+        old = self._tier
+        binding = None if tier is None else tier._bind(self)
+        self._tier = binding
+        if old is not None:
+            old.close()
+
+    def _has_tier(self):
+        return self._tier is not None
+
+    def flush_tier(self, timeout=10.0):
+        """Wait up to ``timeout`` seconds until the writes queued so far are stored.
+        Returns the number of blocks written since the tier was set (0 without one)."""
+        if self._tier is None:
+            return 0
+        return self._tier.flush(timeout)
+
+    cdef int _tier_published(self, shmkv_ctx_t *c, uint32_t slot, uint32_t before) except -1:
+        """Hands the hashes of blocks [before, hashed) of a locked sequence, just
+        published, to the tier's writer (which reads them later through a pin)."""
+        cdef shmkv_seq_t *q = &c.seqs[slot]
+        cdef uint32_t i, b, after = q.hashed
+        cdef const int32_t *t = shmkv_table(c, slot)
+        cdef cnp.npy_intp dims[2]
+        if after <= before or after > q.nblocks:
+            return 0
+        dims[0] = after - before
+        dims[1] = 2
+        cdef cnp.ndarray out = cnp.PyArray_EMPTY(2, dims, cnp.NPY_UINT64, 0)
+        cdef uint64_t *h = <uint64_t *>cnp.PyArray_DATA(out)
+        for i in range(before, after):
+            b = <uint32_t>t[i]
+            if not shmkv_block_ok(c, b):
+                return 0
+            h[2 * (i - before)] = c.blocks[b].hash[0]
+            h[2 * (i - before) + 1] = c.blocks[b].hash[1]
+        self._tier.enqueue(out)
+        return 0
+
+    def _tier_pin(self, cnp.ndarray hashes):
+        """A new sequence (owned by this process, never hashed further) holding the
+        leading run of ``hashes`` ([n, 2] uint64) that is findable, one block per hash:
+        the tier's writer reads published blocks through it, so none can be reused
+        under the read.  Returns (sid, blocks taken), or (-1, 0) with no free slot."""
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef int64_t sid = -1
+        cdef uint32_t slot, hits = 0
+        cdef int st
+        if (hashes.ndim != 2 or hashes.shape[1] != 2 or hashes.dtype != np.uint64
+                or not hashes.flags.c_contiguous):
+            raise ValueError("hashes: expected a C-contiguous uint64 array [n, 2]")
+        cdef uint32_t n = <uint32_t>min(hashes.shape[0], c.cfg.max_blocks_per_seq)
+        pool_lock(c)
+        st = shmkv_seq_create_locked(c, 0, &sid)
+        if st == SHMKV_ESEQFULL and shmkv_pcache_drain_all_locked(c) == SHMKV_OK:
+            st = shmkv_seq_create_locked(c, 0, &sid)    # slots the process caches keep
+        if st == SHMKV_OK:
+            slot = <uint32_t>(sid % c.cfg.max_seqs)
+            c.seqs[slot].flags |= SHMKV_SEQF_UNTRACKED
+            if n:
+                hits = shmkv_prefix_take_locked(
+                    c, slot, <const uint64_t *>cnp.PyArray_DATA(hashes), n)
+            shmkv_pcache_balance_locked(c)
+        shmkv_pool_unlock(c)
+        if st != SHMKV_OK:
+            return -1, 0
+        return sid, hits
+
+    def _tier_count(self, hits=0, misses=0, errors=0, bytes_in=0, bytes_out=0):
+        """Adds to the segment's tier counters (stats(), shmkv info, shmkv metrics)."""
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        for which, v in zip(_TIER_COUNTERS, (hits, misses, errors, bytes_in, bytes_out)):
+            if v:
+                shmkv_count(c, which, <uint64_t>v)
+
+    def _tier_hashes(self, tokens, salt=None):
+        """The block-hash chain ([nfull, 2] uint64) that create_sequence(tokens, salt)
+        looks up: the tier's keys (benchmarks, tests)."""
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef cnp.ndarray ids = as_ids(tokens, -1)
+        cdef uint64_t sd[2]
+        cdef uint32_t nfull = 0
+        salt_digest(salt, sd)
+        if ids.shape[0] > 1:
+            nfull = min((ids.shape[0] - 1) // c.cfg.block_size, c.cfg.max_blocks_per_seq)
+        return self._chain(ids, nfull, sd)
+
+    def _tier_layout(self):
+        """What the tier's layout fingerprint is made of: the model dims, dtype, block
+        size, block-hash function and seed of this segment."""
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        return dict(num_layers=c.cfg.num_layers, num_kv_heads=c.cfg.num_kv_heads,
+                    head_dim=c.cfg.head_dim, block_size=c.cfg.block_size,
+                    dtype=c.cfg.dtype, itemsize=c.cfg.itemsize, hash_algo=c.cfg.hash_algo,
+                    hash_seed=c.hdr.hash_seed)

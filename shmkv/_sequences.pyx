@@ -102,6 +102,14 @@ cdef class SequenceOps(PrefixOps):
                 raise CacheFullError(
                     f"create_sequence: all {c.cfg.max_seqs} sequence slots are taken")
             raise_status(st, "create_sequence")
+        if self._tier is not None and hits < nfull:
+            # the remote tier's consecutive blocks, loaded into this sequence and
+            # published (shmkv/tier/): never raises but for an interrupt, which frees sid
+            try:
+                self._tier.extend(self, sid, ids, salt, hashes, hits)
+            except BaseException:
+                self.free(sid)
+                raise
         return sid
 
     def fork(self, sid):
@@ -144,7 +152,7 @@ cdef class SequenceOps(PrefixOps):
         cdef uint32_t slot
         cdef int64_t s = as_sid(sid)
         cdef int st = shmkv_sid_slot(c, s, &slot)
-        cdef uint32_t n
+        cdef uint32_t n = 0
         if st == SHMKV_OK:
             n = shmkv_atomic_load_u32_acquire(&c.seqs[slot].len)
             st = shmkv_sid_slot(c, s, &slot)      # freed meanwhile? (no lock taken)

@@ -31,7 +31,7 @@ class KVCache(DataOps):
 
     @classmethod
     def create(cls, name: str, config: CacheConfig, *, mode: int = 0o600,
-               prefault: bool = True) -> "KVCache":
+               prefault: bool = True, hash_seed: Optional[int] = None) -> "KVCache":
         """Create a new segment.
 
         Parameters
@@ -43,6 +43,10 @@ class KVCache(DataOps):
             Permission bits of the segment, exact whatever the umask (default 0o600).
         prefault : bool
             Map with MAP_POPULATE so the first decode step pays no page faults.
+        hash_seed : int, optional
+            Seed of the prefix cache's block hashes (default: ``$SHMKV_HASH_SEED``, else
+            random).  Segments on different hosts that share a remote tier
+            (:meth:`set_tier`) must use the same seed: it is part of the tier's keys.
 
         Raises
         ------
@@ -51,7 +55,7 @@ class KVCache(DataOps):
         OSError
             ``/dev/shm`` cannot hold the segment (nothing is left behind).
         """
-        return cls._create(name, config, mode, prefault)
+        return cls._create(name, config, mode, prefault, 10.0, hash_seed)
 
     @classmethod
     def attach(cls, name: str, *, prefault: bool = True, timeout: float = 10.0,
@@ -72,7 +76,8 @@ class KVCache(DataOps):
 
     @classmethod
     def open(cls, name: str, config: CacheConfig, *, mode: int = 0o600,
-             prefault: bool = True, timeout: float = 10.0) -> "KVCache":
+             prefault: bool = True, timeout: float = 10.0,
+             hash_seed: Optional[int] = None) -> "KVCache":
         """Create the segment, or attach it if it exists (a race of many openers is
         safe: one creates, the others wait for it to be ready).
 
@@ -83,7 +88,7 @@ class KVCache(DataOps):
         """
         while True:
             try:
-                return cls._create(name, config, mode, prefault)
+                return cls._create(name, config, mode, prefault, timeout, hash_seed)
             except FileExistsError:
                 pass
             try:
@@ -157,6 +162,16 @@ class KVCache(DataOps):
             A corrupt table or length in the segment.
         """
         return _attention.attention(self, layer, q, sids, q_lens, scale, out)
+
+    def close(self) -> None:
+        """Detach this process (idempotent; the segment stays).  A remote tier set on
+        this handle is turned off first (its queued writes get ``close_timeout``)."""
+        if self._has_tier():
+            try:
+                self.set_tier(None)
+            except Exception:         # the tier never raises into close()
+                pass
+        super().close()
 
     def __enter__(self) -> "KVCache":
         return self

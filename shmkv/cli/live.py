@@ -149,6 +149,11 @@ _COUNTER_HELP = {
     "cached_blocks_evicted": "Cached blocks reused for new data.",
     "trimmed_blocks": "Blocks trimmed from sequences.",
     "processes_attached": "Process attachments.",
+    "tier_hits": "Blocks loaded from the remote tier (summed over the processes with one set).",
+    "tier_misses": "Remote-tier lookups that ended on an absent, corrupt or foreign value.",
+    "tier_errors": "Remote-tier calls that failed (node down, timeout, refused, queue full).",
+    "tier_bytes_in": "Bytes read from the remote tier.",
+    "tier_bytes_out": "Bytes stored in the remote tier.",
 }
 
 

@@ -56,29 +56,17 @@ SHMKV_AI void FN(hsum4)(VEC a0, VEC a1, VEC a2, VEC a3, float *d) {
     _mm_storeu_ps(d, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 SHMKV_AI float FN(vmax16)(const float *s) { return _mm512_reduce_max_ps(_mm512_loadu_ps(s)); }
-/* exp(x - mx) for 16 scores, exactly 0 where x == -inf; returns the sum */
-SHMKV_AI float FN(vexpsub)(float *s, float mx) {
-    const __m512 x0 = _mm512_loadu_ps(s);
-    const __mmask16 live = _mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-    __m512 x = _mm512_sub_ps(x0, _mm512_set1_ps(mx));
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
-                                                         _mm512_set1_epi32(127)), 23);
-    p = _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
-    _mm512_storeu_ps(s, p);
-    return _mm512_reduce_add_ps(p);
-}
+#define VADD(a, b) _mm512_add_ps((a), (b))
+#define VSUB(a, b) _mm512_sub_ps((a), (b))
+#define VMIN(a, b) _mm512_min_ps((a), (b))
+#define VMAX(a, b) _mm512_max_ps((a), (b))
+#define VFNMA(a, b, c) _mm512_fnmadd_ps((a), (b), (c))
+#define VROUNDN(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2I(n) _mm512_castsi512_ps(_mm512_slli_epi32(                                \
+    _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+/* p where x0 != -inf, else exactly 0 */
+#define VLIVE(x0, p) _mm512_maskz_mov_ps(                                                \
+    _mm512_cmp_ps_mask((x0), _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ), (p))
 #elif SHMKV_ISA_PASS == 1                       /* AVX2 + FMA + F16C: 8 fp32 lanes */
 #define VEC __m256
 #define W 8
@@ -120,31 +108,16 @@ SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) {
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
     return _mm256_loadu_ps((const float *)p);
 }
-SHMKV_AI float FN(vexp8)(float *s, float mx) {
-    const __m256 x0 = _mm256_loadu_ps(s);
-    const __m256 live = _mm256_cmp_ps(x0, _mm256_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-    __m256 x = _mm256_sub_ps(x0, _mm256_set1_ps(mx));
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                         _mm256_set1_epi32(127)), 23);
-    p = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
-    _mm256_storeu_ps(s, p);
-    return FN(hsum)(p);
-}
-SHMKV_AI float FN(vexpsub)(float *s, float mx) {
-    return FN(vexp8)(s, mx) + FN(vexp8)(s + 8, mx);
-}
+#define VADD(a, b) _mm256_add_ps((a), (b))
+#define VSUB(a, b) _mm256_sub_ps((a), (b))
+#define VMIN(a, b) _mm256_min_ps((a), (b))
+#define VMAX(a, b) _mm256_max_ps((a), (b))
+#define VFNMA(a, b, c) _mm256_fnmadd_ps((a), (b), (c))
+#define VROUNDN(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2I(n) _mm256_castsi256_ps(_mm256_slli_epi32(                                \
+    _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define VLIVE(x0, p) _mm256_and_ps(                                                      \
+    _mm256_cmp_ps((x0), _mm256_set1_ps(-INFINITY), _CMP_NEQ_UQ), (p))
 #else                                           /* portable scalar: 1 lane */
 #define VEC float
 #define W 1
@@ -170,6 +143,35 @@ SHMKV_AI float FN(vexpsub)(float *s, float mx) {
         s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - mx);
         sum += s[j];
     }
+    return sum;
+}
+#endif
+
+#if SHMKV_ISA_PASS > 0
+/* exp(x - mx) for the W scores at s (Cephes-style: 2^n * poly(r), |r| <= ln2/2), exactly
+ * 0 where x == -inf; stored back, their sum returned.  The vector passes share it. */
+SHMKV_AI float FN(vexpw)(float *s, float mx) {
+    const VEC x0 = VLOADF(s);
+    VEC x = VSUB(x0, VSET1(mx));
+    x = VMAX(VMIN(x, VSET1(88.0f)), VSET1(-87.0f));
+    const VEC n = VROUNDN(VMUL(x, VSET1(1.44269504f)));
+    VEC r = VFNMA(n, VSET1(0.693359375f), x);
+    r = VFNMA(n, VSET1(-2.12194440e-4f), r);
+    VEC p = VSET1(1.9875691500e-4f);
+    p = VFMA(p, r, VSET1(1.3981999507e-3f));
+    p = VFMA(p, r, VSET1(8.3334519073e-3f));
+    p = VFMA(p, r, VSET1(4.1665795894e-2f));
+    p = VFMA(p, r, VSET1(1.6666665459e-1f));
+    p = VFMA(p, r, VSET1(5.0000001201e-1f));
+    p = VFMA(p, VMUL(r, r), VADD(r, VSET1(1.0f)));
+    p = VLIVE(x0, VMUL(p, VPOW2I(n)));
+    VSTOREF(s, p);
+    return VHSUM(p);
+}
+/* exp(x - mx) over a tile of TILE scores; returns the sum */
+SHMKV_AI float FN(vexpsub)(float *s, float mx) {
+    float sum = 0;
+    for (int i = 0; i < TILE; i += W) sum += FN(vexpw)(s + i, mx);
     return sum;
 }
 #endif
@@ -452,5 +454,13 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
 #undef VFMA
 #undef VMUL
 #undef VHSUM
+#undef VLIVE
+#undef VPOW2I
+#undef VROUNDN
+#undef VFNMA
+#undef VMAX
+#undef VMIN
+#undef VSUB
+#undef VADD
 #undef KB
 #undef CC

@@ -54,7 +54,7 @@
 enum { SHMKV_CP_NONE = 0, SHMKV_CRASH_POINTS(SHMKV_X_ENUM) SHMKV_NCRASH };
 #undef SHMKV_X_ENUM
 #define SHMKV_X_NAME(id, name) name,
-static const char *SHMKV_CRASH_NAMES[] = { "none", SHMKV_CRASH_POINTS(SHMKV_X_NAME) NULL };
+static const char *const SHMKV_CRASH_NAMES[] = { "none", SHMKV_CRASH_POINTS(SHMKV_X_NAME) NULL };
 #undef SHMKV_X_NAME
 /* Planted bugs: the chaos harness must catch each of them (proof that it can fail).
  * Process-local; off unless plant_bug() is called. */

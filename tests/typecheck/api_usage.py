@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 import shmkv
+from shmkv import _core
 
 
 def _kv(cfg: shmkv.CacheConfig, n: int, seed: int) -> npt.NDArray[np.float32]:
@@ -73,6 +74,10 @@ def observability_and_ownership(cache: shmkv.KVCache) -> None:
                 "cow_copies"):
         assert key in st
     assert cache.check() == []
+    snap: dict[str, Any] = _core.snapshot(cache.name)          # read-only, takes no lock
+    assert snap["used_blocks"] == st["used_blocks"] and snap["config"] == cache.config
+    ns: float = _core.bench_alloc_free(cache, 1000)
+    assert ns > 0
     sid = cache.create_sequence()
     cache.detach(sid)
     assert cache.owner_pid(sid) is None
@@ -107,6 +112,25 @@ def prefix_cache(cache: shmkv.KVCache) -> None:
     evicted = cache.evict("priority", cfg.num_blocks, exclude=[first])
     assert evicted == [second]
     cache.free(first)
+
+
+def remote_tier(cache: shmkv.KVCache) -> None:
+    """The remote tier's API (shared/API.md, "KV events and the remote tier"), against a
+    port nothing listens on: a tier that is down never raises, it is counted."""
+    bs = cache.config.block_size
+    tier = shmkv.RedisTier("redis://127.0.0.1:9", cluster=True, timeout=0.2,
+                           connect_timeout=0.1)
+    cache.set_tier(tier)
+    prompt = np.arange(100, 100 + 2 * bs + 1, dtype=np.int64)
+    sid = cache.create_sequence(tokens=prompt)
+    assert cache.match_prefix(prompt) == cache.seq_len(sid)
+    written: int = cache.flush_tier(timeout=1.0)
+    assert written == 0
+    cache.set_tier(None)
+    stats = cache.stats()
+    assert stats["tier_errors"] >= 1 and stats["tier_hits"] == 0
+    assert {"tier_misses", "tier_bytes_in", "tier_bytes_out"} <= set(stats)
+    cache.free(sid)
 
 
 def attention(cache: shmkv.KVCache) -> None:
@@ -192,6 +216,7 @@ def main(name: str) -> None:
         decode_loop(cache)
         observability_and_ownership(cache)
         prefix_cache(cache)
+        remote_tier(cache)
         attention(cache)
         errors(cache)
         quantized(name)

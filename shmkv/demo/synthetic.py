@@ -22,9 +22,9 @@ import uuid
 
 import numpy as np
 
-from .cache import KVCache
-from .config import CacheConfig
-from .errors import CacheFullError
+from ..cache import KVCache
+from ..config import CacheConfig
+from ..errors import CacheFullError
 
 PRESETS = {
     # name: (layers, kv heads, head_dim, block_size, num_blocks)
@@ -141,7 +141,7 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def build_parser(prog: str = "shmkv demo") -> argparse.ArgumentParser:
+def build_parser(prog: str = "shmkv demo --synthetic") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Spawn worker processes that run simulated inference traffic (chunked "

@@ -1,0 +1,232 @@
+"""The demo's checking and its results table.
+
+Checking, not assuming: every request is generated again in this one process with
+transformers' own ``DynamicCache`` and ``attn_implementation="sdpa"`` from the very prompt
+the worker saw.  Greedy requests must give the same token ids, beam requests the same
+best sequence.  Where a token differs, the reference logits at the first differing step
+say whether that step was a near-tie (the two candidates' logits within 1e-4 of the
+logits' scale: a rounding difference between two correct attention kernels can flip it);
+near-ties are counted apart and explained, any other difference is a mismatch and the
+demo exits 1.
+"""
+from __future__ import annotations
+
+import statistics
+
+from .model import SEED, words
+from .workers import gen_kwargs
+
+NEAR_TIE = 1e-4
+
+
+def header(name, cfg, mcfg, n_workers, n_reqs, n_conv, n_sys):
+    mib = cfg.num_blocks * cfg.bytes_per_block / 2**20
+    print(f"shmkv demo: {n_workers} worker processes on segment /{name}", flush=True)
+    print(f"  model    Llama, {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
+          f"{mcfg.num_attention_heads} query / {mcfg.num_key_value_heads} KV heads, vocab "
+          f"{mcfg.vocab_size}, float32; random weights from torch.manual_seed({SEED}), "
+          f"built in every process (nothing downloaded)")
+    print(f"  cache    {cfg.num_blocks} blocks x {cfg.block_size} tokens, "
+          f"{cfg.bytes_per_block // 1024} KiB each ({mib:.0f} MiB), {cfg.dtype}")
+    print(f"  traffic  {n_reqs} requests: {n_conv} chat conversations over {n_sys} shared "
+          f"system prompts, each turn's prompt extends the last one")
+    print(f"  watch it live in another terminal:  shmkv top {name}", flush=True)
+
+
+def _first_diff(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b)) if len(a) != len(b) else None
+
+
+def check_outputs(reqs, model, Progress):
+    """Recompute every request with DynamicCache; -> dict(equal, near_ties, mismatches)."""
+    import torch
+    from transformers import DynamicCache
+
+    equal, near, bad = [], [], []
+    bar = Progress(len(reqs), "checking")
+    try:
+        for i, r in enumerate(reqs):
+            ids = torch.tensor([r.prompt], dtype=torch.long)
+            kind = "beam" if r.kind == "beam" else "plain"
+            kw = gen_kwargs(kind, r.max_new, ids)
+            kw.update(return_dict_in_generate=True, output_scores=True)
+            with torch.no_grad():
+                out = model.generate(ids, past_key_values=DynamicCache(config=model.config),
+                                     **kw)
+            ref = out.sequences[0, len(r.prompt):].tolist()
+            j = _first_diff(r.output, ref)
+            if j is None:
+                equal.append(r.rid)
+            elif kind == "beam":
+                ref_score = float(out.sequences_scores[0])
+                gap = abs(ref_score - r.score)
+                tie = gap <= NEAR_TIE * max(1.0, abs(ref_score))
+                (near if tie else bad).append(dict(rid=r.rid, step=j, gap=gap, beam=True,
+                                                   ours=r.output, ref=ref))
+            else:
+                # greedy: at step j both runs had the same prefix; the reference logits
+                # there say how close our token was to its choice
+                logits = out.scores[j][0] if j < len(out.scores) else None
+                if logits is None or j >= len(r.output):
+                    bad.append(dict(rid=r.rid, step=j, gap=float("inf"), beam=False,
+                                    ours=r.output, ref=ref))
+                else:
+                    gap = float(logits[ref[j]] - logits[r.output[j]])
+                    scale = float(logits.abs().max())
+                    tie = gap <= NEAR_TIE * scale
+                    (near if tie else bad).append(dict(rid=r.rid, step=j, gap=gap,
+                                                       scale=scale, beam=False,
+                                                       ours=r.output, ref=ref))
+            bar.update(i + 1, f"{len(equal)} equal, {len(near)} near-tie, "
+                              f"{len(bad)} mismatch")
+    finally:
+        bar.close()
+    return dict(equal=equal, near=near, bad=bad)
+
+
+def _median_ms(xs):
+    return f"{1000 * statistics.median(xs):.0f} ms" if xs else "-"
+
+
+def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> bool:
+    kinds = {"plain": 0, "handoff": 0, "beam": 0}
+    for r in reqs:
+        if r.output:
+            kinds["handoff" if "first" in r.stats else
+                  ("beam" if r.kind == "beam" else "plain")] += 1
+    reserved = [r for r in reqs if r.reserved]
+    n_done = sum(1 for r in reqs if r.output)
+    el = served["elapsed"]
+    ttft_hit = [r.stats["ttft"] for r in reqs if "ttft" in r.stats and r.stats["hit"] > 0]
+    ttft_miss = [r.stats["ttft"] for r in reqs if "ttft" in r.stats and r.stats["hit"] == 0]
+    hit = sum(r.stats.get("hit", 0) for r in reqs)
+    plen = sum(r.stats.get("prompt_len", 0) for r in reqs)
+    n_hit = sum(1 for r in reqs if r.stats.get("hit", 0) > 0)
+    roles = collections_count(w.role for w in workers)
+    k = served["killed"]
+    rows = [
+        ("workers", f"{len(workers)} processes: {roles.get('prefill', 0)} prefill, "
+                    f"{roles.get('serve', 0)} serve/decode; "
+                    + ", ".join(f"w{w.wid} {w.served}" for w in workers) + " tasks; "
+                    + _phases(served)),
+        ("requests", f"{n_done} of {len(reqs)} served: {kinds['plain']} plain, "
+                     f"{kinds['handoff']} handed off prefill -> decode (detach/adopt), "
+                     f"{kinds['beam']} beam search (3 beams = forks), "
+                     f"{len(reserved)} re-served after the kill"),
+        ("hand-off", _handoff_line(reqs)),
+        ("tokens", f"{served['tokens']:,} generated in {el:.1f} s: "
+                   f"{served['tokens'] / max(el, 1e-9):,.0f} tokens/s "
+                   f"({len(workers)} processes on {_ncpu()} cores)"),
+        ("first token", f"median {_median_ms(ttft_hit)} with a prefix hit "
+                        f"({len(ttft_hit)} requests), {_median_ms(ttft_miss)} without "
+                        f"({len(ttft_miss)}); from the worker taking the request"),
+        ("prefix cache", f"{hit:,} of {plen:,} prompt tokens were hits "
+                         f"({100 * hit / max(plen, 1):.0f}%), {n_hit} of "
+                         f"{sum(1 for r in reqs if 'hit' in r.stats)} requests hit; "
+                         f"{st['cached_blocks']} blocks still cached"),
+        ("blocks", f"peak {served['peak_used']} used of {st['num_blocks']}, "
+                   f"peak {served['peak_shared']} shared (refcount > 1); {st['forks']} forks, "
+                   f"{st['cow_copies']} copy-on-write copies"),
+    ]
+    if victim is None:
+        rows.append(("killed worker", "none (--no-kill)"))
+    elif k is None:
+        rows.append(("killed worker", "NOT KILLED: it never held a sequence when due"))
+    else:
+        again = next((r for r in reqs if r.rid == k["rid"]), None)
+        rows.append(("killed worker",
+                     f"w{k['wid']} pid {k['pid']} SIGKILLed at {k['at']:.1f} s while "
+                     f"{k['task']} for r{k['rid']}, exit {k['exitcode']}, holding "
+                     f"{k['held_seqs']} sequences / {k['held_blocks']} blocks"))
+        rec = k["recover"]
+        rows.append(("recovery", f"reclaimed {k['reclaimed_seqs']} sequences, "
+                                 f"{k['reclaimed_blocks']} blocks"
+                                 + (" (the rest stay with their other holders)"
+                                    if k["reclaimed_blocks"] < k["held_blocks"] else "")
+                                 + f" in {rec.get('duration_s', 0) * 1e6:.0f} us; "
+                                 f"r{k['rid']} re-served by "
+                                 f"w{again.stats.get('served_by', '?') if again else '?'}"))
+    end_ok = st["used_blocks"] == 0 and not problems
+    rows.append(("end state", f"used_blocks == {st['used_blocks']}, "
+                              f"{st['num_sequences']} sequences, check() == "
+                              + ("[]" if not problems else f"{len(problems)} problems")))
+    if checked is not None:
+        n = len(reqs)
+        line = (f"{len(checked['equal'])} of {n} outputs equal a single-process "
+                f"DynamicCache run (sdpa) of the same request")
+        if checked["near"]:
+            line += f"; {len(checked['near'])} differ at a near-tie (see below)"
+        if checked["bad"]:
+            line += f"; {len(checked['bad'])} MISMATCH"
+        rows.append(("outputs", line))
+    else:
+        rows.append(("outputs", "not checked (--no-check)"))
+    w = max(len(a) for a, _ in rows)
+    print("\nshmkv demo results")
+    for a, b in rows:
+        print(f"  {a:<{w}}  {b}")
+    for p in problems[:20]:
+        print(f"  ! {p}")
+    if checked:
+        for d in checked["near"]:
+            print(f"  near-tie r{d['rid']}: first differs at token {d['step']}, "
+                  f"where the reference's two candidates are {d['gap']:.2e} apart "
+                  f"(logit scale {d.get('scale', 1):.1f}): two fp32 attention kernels "
+                  "(shmkv's C kernel and torch sdpa) round differently, and greedy "
+                  "decoding follows either")
+        for d in checked["bad"]:
+            print(f"  MISMATCH r{d['rid']} at token {d['step']} (gap {d['gap']:.3g}):\n"
+                  f"    ours {d['ours']}\n    ref  {d['ref']}")
+    samples = [r for r in reqs if r.output][:: max(1, len(reqs) // 3)][:3]
+    print("\nsample outputs (random weights: token ids shown as pseudo-words, not language)")
+    for r in samples:
+        print(f"  r{r.rid} conv {r.conv} turn {r.turn} ({r.kind}), prompt "
+              f"{len(r.prompt)} tokens ...{words(r.prompt[-6:], 6)}")
+        print(f"      -> {words(r.output, 14)}")
+    ok = (end_ok and not served["errors"] and "NOT" not in _handoff_line(reqs)
+          and (victim is None or k is not None) and (checked is None or not checked["bad"]))
+    print(f"\n{'OK' if ok else 'FAILED'}", flush=True)
+    return ok
+
+
+def _handoff_line(reqs):
+    h = [r for r in reqs if "adopted" in r.stats]
+    if not h:
+        return "none"
+    short = [r.rid for r in h if r.stats["adopted"] != len(r.prompt)]
+    line = (f"{len(h)} sequences prefilled by the prefill worker, detached, adopted by a "
+            f"decode worker: ")
+    if short:
+        return line + f"{len(short)} did NOT hold their whole prompt (r{short[0]}, ...)"
+    return line + (f"each held its whole prompt ({sum(len(r.prompt) for r in h):,} "
+                   f"tokens, none recomputed)")
+
+
+def _phases(served):
+    ph = served.get("phases", {})
+    t0, ready = ph.get("start"), served.get("t_ready")
+    parts = []
+    if t0 and ready:
+        parts.append(f"ready in {ready - t0:.1f} s")
+    if "served" in ph and "checked" in ph:
+        parts.append(f"check {ph['checked'] - ph['served']:.1f} s")
+    return ", ".join(parts)
+
+
+def collections_count(it):
+    d = {}
+    for x in it:
+        d[x] = d.get(x, 0) + 1
+    return d
+
+
+def _ncpu():
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count()

@@ -1,0 +1,152 @@
+"""`shmkv demo`: real inference by several processes on one segment, checked end to end.
+
+The demo is run as a user runs it (``python -m shmkv demo --quick`` in a subprocess, from
+a directory outside the checkout) and judged by what it prints and leaves behind.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def run_demo(tmp_path, *args, pre="", timeout=240):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SHMKV_PLANT", "SHMKV_CRASH_POINT")}
+    code = (f"import sys\n{pre}\nfrom shmkv.cli import main\n"
+            f"sys.exit(main(['demo', *{list(args)!r}]))")
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout, env=env, check=False)
+
+
+@pytest.mark.slow
+def test_demo_quick_real_inference(tmp_path):
+    # run as `shmkv demo --quick`; while it runs, `shmkv top NAME` shows its segment
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SHMKV_PLANT", "SHMKV_CRASH_POINT")}
+    p = subprocess.Popen([sys.executable, "-m", "shmkv", "demo", "--quick"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        head = []
+        for line in p.stdout:
+            head.append(line)
+            if "shmkv top " in line:
+                break
+        name = head[-1].split("shmkv top ")[-1].strip()
+        top = subprocess.run([sys.executable, "-m", "shmkv", "top", name, "--iterations",
+                              "1", "--plain"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60, env=env, check=False)
+        rest, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert top.returncode == 0 and f"shmkv top {name}" in top.stdout, (top.stdout, top.stderr)
+    assert "processes" in top.stdout and str(p.pid) in top.stdout, top.stdout
+    r = subprocess.CompletedProcess(p.args, p.returncode, "".join(head) + rest, err)
+    out = r.stdout
+    assert r.returncode == 0, (out, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "\x1b[" not in out, "colour codes on a pipe"
+
+    # every output was recomputed with DynamicCache and is equal
+    m = re.search(r"(\d+) of (\d+) outputs equal a single-process DynamicCache run", out)
+    assert m, out
+    n_equal, n = int(m.group(1)), int(m.group(2))
+    assert n > 0 and n_equal == n, out
+    assert "MISMATCH" not in out
+
+    # the requests were of every kind, with prefix hits
+    m = re.search(r"(\d+) of (\d+) served: (\d+) plain, (\d+) handed off prefill -> decode"
+                  r".*?, (\d+) beam search .*?, (\d+) re-served after the kill", out)
+    assert m, out
+    served, total, plain, handoff, beam, again = map(int, m.groups())
+    assert served == total == n and plain > 0 and handoff > 0 and beam > 0 and again >= 1
+    m = re.search(r"([\d,]+) of ([\d,]+) prompt tokens were hits", out)
+    assert m and int(m.group(1).replace(",", "")) > 0, out
+
+    # one worker was SIGKILLed while it held blocks, and recovery reclaimed them
+    m = re.search(r"SIGKILLed worker \d+ \(pid \d+\) while .*? holding (\d+) sequences / "
+                  r"(\d+) blocks", out)
+    assert m and int(m.group(1)) >= 1 and int(m.group(2)) >= 1, out
+    m = re.search(r"recovery +reclaimed (\d+) sequences, (\d+) blocks", out)
+    assert m and int(m.group(1)) >= 1 and int(m.group(2)) >= 1, out
+    assert re.search(r"exit -9", out), out
+
+    # the end state, and nothing left in /dev/shm
+    assert "used_blocks == 0, 0 sequences, check() == []" in out
+    m = re.search(r"on segment /(\S+)", out)
+    assert m, out
+    assert not os.path.exists(f"/dev/shm/{m.group(1)}")
+    assert out.rstrip().endswith("OK")
+
+
+def test_demo_without_torch_says_how_to_get_it(tmp_path):
+    for mod in ("torch", "transformers"):
+        r = run_demo(tmp_path, "--quick", pre=f"sys.modules[{mod!r}] = None", timeout=60)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and 'pip install "shmkv[transformers]"' in lines[0], r.stderr
+        assert r.stdout == ""
+
+
+def test_import_shmkv_never_imports_torch(tmp_path):
+    code = ("import sys, shmkv, shmkv.demo, shmkv.cli\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_synthetic_demo_still_runs(tmp_path):
+    r = run_demo(tmp_path, "--synthetic", "--preset", "tiny", "--workers", "1",
+                 "--duration", "1.5", timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "check()        [] (consistent)" in r.stdout
+    m = re.search(r"segment /(\S+):", r.stdout)
+    assert m and not os.path.exists(f"/dev/shm/{m.group(1)}")
+
+
+def test_checker_tells_equal_near_tie_and_mismatch(monkeypatch):
+    """The checker is not a rubber stamp: a changed token is a mismatch, and the same
+    change counts as a near-tie only when the reference logits are that close."""
+    import torch
+
+    from shmkv.demo import report
+    from shmkv.demo.model import Request, build_model
+    from shmkv.demo.workers import gen_kwargs
+
+    class NoBar:
+        def __init__(self, *a):
+            pass
+
+        def update(self, *a, **k):
+            pass
+
+        def close(self):
+            pass
+
+    torch.set_num_threads(1)
+    model = build_model("sdpa")
+    prompt = list(range(5, 45))
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = model.generate(ids, **gen_kwargs("plain", 8, ids))[0, len(prompt):].tolist()
+    good = Request(rid=0, conv=0, turn=0, kind="plain", max_new=8, user=[], prompt=prompt,
+                   output=list(ref))
+    bad_out = list(ref)
+    bad_out[3] = (bad_out[3] + 1) % 2048
+    bad = Request(rid=1, conv=0, turn=0, kind="handoff", max_new=8, user=[], prompt=prompt,
+                  output=bad_out)
+    res = report.check_outputs([good, bad], model, NoBar)
+    assert res["equal"] == [0] and not res["near"]
+    assert [d["rid"] for d in res["bad"]] == [1] and res["bad"][0]["step"] == 3
+    assert res["bad"][0]["gap"] > 0
+    monkeypatch.setattr(report, "NEAR_TIE", 1e9)        # everything is "close"
+    res = report.check_outputs([bad], model, NoBar)
+    assert [d["rid"] for d in res["near"]] == [1] and not res["bad"]
