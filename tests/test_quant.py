@@ -452,3 +452,13 @@ def test_nan_inf_huge_scales_never_crash(make_cache, isa, dtype):
     cache.gather(sid, raw=True)
     cache.append(sid, *kv(cfg, 2, rng))              # new writes are fine
     assert cache.check() == []
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_remote_tier_refuses_quantized_pools(make_cache, dtype):
+    """The tier's values carry codes without scales (not yet supported): set_tier on a
+    quantized pool is a TypeError and changes nothing."""
+    cache = make_cache(dtype=dtype)
+    with pytest.raises(TypeError, match="tier"):
+        cache.set_tier(object())
+    assert cache.flush_tier() == 0
