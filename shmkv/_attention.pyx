@@ -31,6 +31,8 @@ cdef extern from "kernels/attention.h" nogil:
         SHMKV_ATT_F32
         SHMKV_ATT_F16
         SHMKV_ATT_BF16
+        SHMKV_ATT_I8
+        SHMKV_ATT_E4M3
         SHMKV_ISA_SCALAR
         SHMKV_ISA_AVX2
         SHMKV_ISA_AVX512
@@ -41,6 +43,10 @@ cdef extern from "kernels/attention.h" nogil:
         const uint8_t *kpool
         const uint8_t *vpool
         int kv_dtype
+        const float *kscale
+        const float *vscale
+        const float *khead
+        const float *vhead
         uint32_t num_blocks, block_size, hkv, hq, d
         uint32_t nseq
         const int32_t *const *tables
@@ -61,9 +67,11 @@ cdef extern from "kernels/attention.h" nogil:
 
 ISA_NAMES = ("scalar", "avx2", "avx512")
 
-# pool dtype code (config.DTYPES) -> kernel element type; int8 pools are not read yet
-_KV_TYPES = {1: SHMKV_ATT_F16, 2: SHMKV_ATT_F32, 3: SHMKV_ATT_BF16}
-_POOL_NAMES = {1: "float16", 2: "float32", 3: "bfloat16", 4: "int8"}
+# pool dtype code (config.DTYPES) -> kernel element type; the quantized pools (int8,
+# float8_e4m3) are read directly, their scales applied to scores and probabilities
+_KV_TYPES = {1: SHMKV_ATT_F16, 2: SHMKV_ATT_F32, 3: SHMKV_ATT_BF16, 4: SHMKV_ATT_I8,
+             5: SHMKV_ATT_E4M3}
+_POOL_NAMES = {1: "float16", 2: "float32", 3: "bfloat16", 4: "int8", 5: "float8_e4m3"}
 
 
 def set_num_threads(n):
@@ -215,6 +223,7 @@ def attention(cache, layer, q, sids, q_lens=None, scale=None, out=None):
     cdef Py_ssize_t u, pos
     cdef uint64_t start = 0
     cdef bint locked = False
+    cdef uint64_t lyr
     try:
         lock_seqs(c, up, U, uslots, ulens)
         locked = True
@@ -234,6 +243,14 @@ def attention(cache, layer, q, sids, q_lens=None, scale=None, out=None):
         a.kpool = c.kpool + <uint64_t>layer * c.lay.layer_stride
         a.vpool = c.vpool + <uint64_t>layer * c.lay.layer_stride
         a.kv_dtype = _KV_TYPES[pool_code]
+        a.kscale = a.vscale = a.khead = a.vhead = NULL
+        lyr = <uint64_t>layer
+        if c.kscale != NULL and c.vscale != NULL:          # int8: per-slot scales
+            a.kscale = <const float *>(<uint8_t *>c.kscale + lyr * c.lay.scale_stride)
+            a.vscale = <const float *>(<uint8_t *>c.vscale + lyr * c.lay.scale_stride)
+        if c.hscale != NULL:                               # float8: per-head scales
+            a.khead = c.hscale + lyr * hkv
+            a.vhead = c.hscale + (<uint64_t>c.cfg.num_layers + lyr) * hkv
         a.num_blocks = c.cfg.num_blocks
         a.block_size = c.cfg.block_size
         a.hkv = hkv

@@ -4,7 +4,7 @@
 # method chain that KVCache ends), the C API of _core, and the inline helpers of the hot
 # paths (compiled into each module that cimports them: no call between modules there).
 cimport numpy as cnp
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
+from libc.stdint cimport uint8_t, int8_t, uint32_t, uint64_t, int32_t, int64_t
 from shmkv._layout cimport *
 
 cdef extern from "kernels/kernels.h" nogil:
@@ -23,6 +23,9 @@ cdef extern from "kernels/kernels.h" nogil:
         shmkv_index_t *index
         uint8_t *kpool
         uint8_t *vpool
+        float *kscale
+        float *vscale
+        float *hscale
         shmkv_config_t cfg
         shmkv_layout_t lay
         int lock_fd
@@ -108,6 +111,20 @@ cdef extern from "kernels/kernels.h" nogil:
     int shmkv_seq_check_span(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n)
     void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
                         uint8_t *pool, uint8_t *buf, int to_pool)
+    void shmkv_seq_copy_rows(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+                             uint8_t *pool, uint64_t stride, uint64_t tb, uint8_t *buf,
+                             int to_pool)
+    int shmkv_write_rows(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
+                         uint8_t *kbase, uint8_t *vbase, uint64_t stride, uint64_t tb,
+                         const uint8_t *k, const uint8_t *v, int64_t *bad)
+    int shmkv_q_isa                 # quant.h's path (this module's copy): -1 unset, 0 C, 1 AVX2
+    int shmkv_quant_isa()
+    int shmkv_quant_i8(const void *x, int f16, uint64_t rows, uint32_t d, int8_t *q, float *s)
+    void shmkv_dequant_i8(const int8_t *q, const float *s, uint64_t rows, uint32_t d, float *x)
+    int shmkv_quant_e4m3(const void *x, int f16, uint32_t layers, uint64_t n, uint32_t heads,
+                         uint32_t d, const float *hs, uint8_t *q)
+    void shmkv_dequant_e4m3(const uint8_t *q, uint32_t layers, uint64_t n, uint32_t heads,
+                            uint32_t d, const float *hs, float *x)
     void shmkv_seq_slots(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
                          int64_t *out)
     int shmkv_write_slots(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,

@@ -161,7 +161,9 @@ cdef dict layout_dict(const shmkv_layout_t *l):
                 off_seqs=l.off_seqs, off_seq_free=l.off_seq_free, off_tables=l.off_tables,
                 off_tokens=l.off_tokens, off_index=l.off_index, off_kpool=l.off_kpool, off_vpool=l.off_vpool,
                 segment_size=l.segment_size, off_events=l.off_events,
-                event_record_bytes=l.event_record_bytes)
+                event_record_bytes=l.event_record_bytes, scale_bytes=l.scale_bytes,
+                scale_stride=l.scale_stride, off_kscale=l.off_kscale,
+                off_vscale=l.off_vscale, off_hscale=l.off_hscale)
 
 
 def layout_of(cfg):

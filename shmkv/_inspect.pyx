@@ -613,7 +613,8 @@ def struct_layout():
     lay_names = ["token_bytes", "block_bytes", "layer_stride", "index_capacity",
                  "off_blocks", "off_free", "off_procs", "off_seqs", "off_seq_free",
                  "off_tables", "off_tokens", "off_index", "off_kpool", "off_vpool",
-                 "segment_size", "off_events", "event_record_bytes"]
+                 "segment_size", "off_events", "event_record_bytes", "scale_bytes",
+                 "scale_stride", "off_kscale", "off_vscale", "off_hscale"]
     header = _fields(SHMKV_HEADER_FIELDS, 0)
     shared = _fields(SHMKV_SHARED_FIELDS, SHMKV_SHARED_OFFSET)
     seq = _fields(SHMKV_SEQ_FIELDS, 0)

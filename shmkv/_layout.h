@@ -30,6 +30,14 @@
  *                  | K, layer 1 ...        (each layer page aligned)            |
  *   off_vpool      | V, layer 0 ...                                             |
  *                  +------------------------------------------------------------+
+ *   -- quantized pools only (dtype int8 / float8_e4m3; issue 14); 0 otherwise: --
+ *   off_kscale     | float32 K scales, layer 0 [num_blocks][block_size][heads]   |
+ *                  |   (int8 only: one per token and kv head; page aligned      |
+ *                  |   per layer, scale_stride apart)                           |
+ *   off_vscale     | float32 V scales, same shape                               |
+ *   off_hscale     | float32 [2][num_layers][num_kv_heads] per-head scales      |
+ *                  |   (float8_e4m3 only: [0] K, [1] V; default 1.0)            |
+ *                  +------------------------------------------------------------+
  *
  * Block states (a block is "used" iff ref_cnt > 0):
  *
@@ -76,7 +84,7 @@
 #include <pthread.h>
 
 #define SHMKV_MAGIC            0x31564b4d48535f5fULL   /* "__SHMKV1" little-endian */
-#define SHMKV_LAYOUT_VERSION   3u     /* 3: the KV event ring */
+#define SHMKV_LAYOUT_VERSION   3u     /* 3: the KV event ring; quantized pools' scales */
 #define SHMKV_HEADER_SIZE      512u     /* shmkv_header_t is padded to this */
 #define SHMKV_SHARED_OFFSET    512u
 #define SHMKV_PAGE             4096u
@@ -119,7 +127,13 @@ enum {
 };
 
 /* ---- dtypes ------------------------------------------------------------------------ */
-enum { SHMKV_F16 = 1, SHMKV_F32 = 2, SHMKV_BF16 = 3, SHMKV_I8 = 4 };
+/* SHMKV_I8: symmetric int8 with a float32 scale per token and kv head (K and V apart);
+ * SHMKV_E4M3: float8 e4m3fn with a float32 scale per layer and kv head (K and V apart).
+ * Both are "quantized": the pools hold 1-byte codes, the scales live in the quant region. */
+enum { SHMKV_F16 = 1, SHMKV_F32 = 2, SHMKV_BF16 = 3, SHMKV_I8 = 4, SHMKV_E4M3 = 5 };
+static inline int shmkv_dtype_quantized(uint32_t dtype) {
+    return dtype == SHMKV_I8 || dtype == SHMKV_E4M3;
+}
 
 /* ---- states ------------------------------------------------------------------------ */
 enum { SHMKV_STATE_INIT = 0x494e4954u, SHMKV_STATE_READY = 0x52454459u };
@@ -199,6 +213,18 @@ typedef struct {
     uint64_t off_events;       /* the event ring (shmkv_event_ring_t + records); 0 if off */
     uint64_t event_record_bytes; /* one record: shmkv_event_t + block_size token ids,
                                     line rounded; 0 if off */
+    /* --- quantized pools (issue 14); every field 0 for float pools ---------------- */
+    uint64_t scale_bytes;      /* int8: one token, one layer, K only: heads*4 bytes of
+                                  float32 scales; 0 otherwise */
+    uint64_t scale_stride;     /* int8: distance between layers in a scale region (page
+                                  rounded num_blocks*block_size*scale_bytes) */
+    uint64_t off_kscale;       /* int8: K scales [layers][num_blocks][block_size][heads] */
+    uint64_t off_vscale;       /* int8: V scales, same shape */
+    uint64_t off_hscale;       /* float8_e4m3: per-head scales [2][layers][heads] float32;
+                                  MUTABLE: written by set_kv_scales under pool_lock (and
+                                  1.0 by the creator), read relaxed by every data path.
+                                  Untrusted like all data: NaN/inf give NaN, never a
+                                  crash */
 } shmkv_layout_t;
 
 /* ---- header: immutable after READY ------------------------------------------------- */
@@ -384,6 +410,8 @@ _Static_assert(sizeof(shmkv_proc_t) == 256, "process slot size");
 _Static_assert(offsetof(shmkv_proc_t, counters) == 64, "proc counters on line 1");
 _Static_assert(offsetof(shmkv_proc_t, cache_lock) == 128, "proc cache on lines 2-3");
 _Static_assert(sizeof(shmkv_index_t) == 24, "index entry size");
+_Static_assert(sizeof(shmkv_layout_t) == 22 * 8,
+               "layout: 15 fields + the event ring's 2 + the quant region's 5");
 _Static_assert(offsetof(shmkv_shared_t, pool_lock) % SHMKV_LINE == 0, "lock on its own line");
 _Static_assert(SHMKV_NCOUNTERS <= SHMKV_COUNTER_SLOTS, "too many counters");
 _Static_assert(sizeof(shmkv_event_ring_t) == SHMKV_LINE, "event ring head: one line");
@@ -418,6 +446,8 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     h = shmkv_mix(h, sizeof(shmkv_event_t));
     h = shmkv_mix(h, offsetof(shmkv_event_t, time_ns));
     h = shmkv_mix(h, offsetof(shmkv_config_t, event_capacity));
+    h = shmkv_mix(h, offsetof(shmkv_layout_t, scale_bytes));     /* issue 14 */
+    h = shmkv_mix(h, offsetof(shmkv_layout_t, off_hscale));
     return h;
 }
 
@@ -460,7 +490,7 @@ static inline uint32_t shmkv_dtype_itemsize(uint32_t dtype) {
     switch (dtype) {
     case SHMKV_F16: case SHMKV_BF16: return 2;
     case SHMKV_F32: return 4;
-    case SHMKV_I8: return 1;
+    case SHMKV_I8: case SHMKV_E4M3: return 1;
     default: return 0;
     }
 }
@@ -523,7 +553,22 @@ static inline int shmkv_layout_compute(const shmkv_config_t *c, shmkv_layout_t *
     }
     out->off_kpool = o;    o += pool;
     out->off_vpool = o;    o += pool;
-    if (o > 2 * LIMIT) return SHMKV_EINVAL;
+    /* quant region (issue 14): after the pools, so float segments keep their offsets */
+    if (c->dtype == SHMKV_I8) {
+        uint64_t sb = (uint64_t)c->num_kv_heads * 4u;                           /* < 2^15 */
+        uint64_t sl = sb * c->block_size * c->num_blocks;                       /* < 2^62 */
+        if (sl > LIMIT) return SHMKV_EINVAL;
+        out->scale_bytes = sb;
+        out->scale_stride = shmkv_round_up(sl, SHMKV_PAGE);
+        uint64_t sp = out->scale_stride * c->num_layers;
+        if (sp > LIMIT) return SHMKV_EINVAL;
+        out->off_kscale = o;   o += sp;
+        out->off_vscale = o;   o += sp;
+    } else if (c->dtype == SHMKV_E4M3) {
+        out->off_hscale = o;
+        o = shmkv_round_up(o + 2ull * c->num_layers * c->num_kv_heads * 4u, SHMKV_PAGE);
+    }
+    if (o > 3 * LIMIT) return SHMKV_EINVAL;
     out->segment_size = o;
     return SHMKV_OK;
 }

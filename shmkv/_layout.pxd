@@ -29,6 +29,8 @@ cdef extern from "_layout.h" nogil:
     enum:
         SHMKV_HASH_XXH, SHMKV_HASH_SHA256
     enum:
+        SHMKV_F16, SHMKV_F32, SHMKV_BF16, SHMKV_I8, SHMKV_E4M3
+    enum:
         SHMKV_NCOUNTERS
         SHMKV_C_GATHERED_TOKENS
         SHMKV_C_APPENDED_TOKENS
@@ -50,6 +52,7 @@ cdef extern from "_layout.h" nogil:
         uint64_t off_blocks, off_free, off_procs, off_seqs, off_seq_free, off_tables
         uint64_t off_tokens, off_index, off_kpool, off_vpool, segment_size
         uint64_t off_events, event_record_bytes
+        uint64_t scale_bytes, scale_stride, off_kscale, off_vscale, off_hscale
 
     ctypedef struct shmkv_header_t:
         uint64_t magic
@@ -130,4 +133,5 @@ cdef extern from "_layout.h" nogil:
     void shmkv_atomic_store_u32_release(uint32_t *p, uint32_t v)
     uint64_t shmkv_atomic_add_u64_relaxed(uint64_t *p, uint64_t v)
     int shmkv_atomic_cas_u64(uint64_t *p, uint64_t expect, uint64_t desired)
+    int shmkv_dtype_quantized(uint32_t dtype)
     int shmkv_layout_compute(const shmkv_config_t *c, shmkv_layout_t *out)

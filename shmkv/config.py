@@ -7,10 +7,14 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["CacheConfig", "DTYPES", "HASHES"]
+__all__ = ["CacheConfig", "DTYPES", "HASHES", "QUANTIZED"]
 
 #: dtype name -> (code stored in the segment, bytes per element)
-DTYPES = {"float16": (1, 2), "float32": (2, 4), "bfloat16": (3, 2), "int8": (4, 1)}
+DTYPES = {"float16": (1, 2), "float32": (2, 4), "bfloat16": (3, 2), "int8": (4, 1),
+          "float8_e4m3": (5, 1)}
+#: quantized pools (issue 14): 1-byte codes plus float32 scales; read and written as
+#: their compute dtype (float32)
+QUANTIZED = ("int8", "float8_e4m3")
 #: block-hash algorithm name -> code stored in the segment
 HASHES = {"fast": 1, "sha256": 2}
 
@@ -58,8 +62,15 @@ class CacheConfig:
         position in every layer's pool).
     block_size : int
         Tokens per block.
-    dtype : {"float16", "float32", "bfloat16", "int8"}
-        Element type.  ``bfloat16`` needs the ``ml_dtypes`` package for numpy arrays.
+    dtype : {"float16", "float32", "bfloat16", "int8", "float8_e4m3"}
+        Element type of the pools.  ``bfloat16`` and ``float8_e4m3`` need the
+        ``ml_dtypes`` package for numpy arrays.  ``int8`` and ``float8_e4m3`` are
+        *quantized*: ``int8`` is symmetric int8 with one float32 scale per token and kv
+        head (K and V apart), ``float8_e4m3`` is e4m3fn (``ml_dtypes.float8_e4m3fn``)
+        with one float32 scale per layer and kv head (``KVCache.set_kv_scales``, default
+        1.0).  A quantized pool is written and read in its :attr:`compute_dtype`
+        (float32): ``append``/``write`` take float32/float16/bfloat16 arrays and quantize,
+        ``gather`` returns float32 (or, with ``raw=True``, the codes and scales).
     max_seqs : int
         Sequence slots in the segment.
     max_seq_len : int or None
@@ -115,11 +126,11 @@ class CacheConfig:
             _check_int("max_seq_len", self.max_seq_len, 1, whole)
             msl = -(-int(self.max_seq_len) // self.block_size) * self.block_size
         object.__setattr__(self, "max_seq_len", msl)
-        if self.dtype == "bfloat16":
+        if self.dtype in ("bfloat16", "float8_e4m3"):
             try:
                 import ml_dtypes  # noqa: F401
             except ImportError:
-                raise ValueError("dtype: 'bfloat16' needs the ml_dtypes package") from None
+                raise ValueError(f"dtype: {self.dtype!r} needs the ml_dtypes package") from None
         # Sizes the C layout would reject (a segment over 2^48 bytes) fail here too.
         from . import _core
 
@@ -137,9 +148,17 @@ class CacheConfig:
         return self.max_seq_len // self.block_size
 
     @property
+    def quantized(self) -> bool:
+        """True for the quantized pools (``int8``, ``float8_e4m3``)."""
+        return self.dtype in QUANTIZED
+
+    @property
     def bytes_per_token(self) -> int:
-        """K+V bytes of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        """K+V bytes of one token over all layers (an int8 pool's per-token scales
+        included: 4 bytes per kv head, K and V; float8's per-layer scales are not per
+        token)."""
+        per_head = self.head_dim * self.itemsize + (4 if self.dtype == "int8" else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def bytes_per_block(self) -> int:
@@ -151,12 +170,24 @@ class CacheConfig:
         """The numpy dtype of the pools."""
         import numpy as np
 
-        if self.dtype == "bfloat16":
+        if self.dtype in ("bfloat16", "float8_e4m3"):
             import ml_dtypes
 
-            bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-            return bf16
+            ml: np.dtype[Any] = np.dtype(
+                ml_dtypes.bfloat16 if self.dtype == "bfloat16" else ml_dtypes.float8_e4m3fn)
+            return ml
         return np.dtype(self.dtype)
+
+    @property
+    def compute_dtype(self) -> np.dtype[Any]:
+        """The numpy dtype K/V are read and written in: float32 for a quantized pool
+        (what ``gather`` returns and ``append``/``write`` take, besides float16 and
+        bfloat16), the pool's own dtype otherwise."""
+        import numpy as np
+
+        if self.quantized:
+            return np.dtype(np.float32)
+        return self.numpy_dtype
 
     def segment_size(self) -> int:
         """Bytes of the shared-memory segment this config lays out."""

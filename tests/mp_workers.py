@@ -27,6 +27,8 @@ def tokens(cfg, n, seed):
     rng = np.random.default_rng(seed)
     shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
     dt = cfg.numpy_dtype
+    if cfg.quantized:     # float32 the quantizer stores exactly: the tests compare equal
+        return exact_quantized(cfg, rng, shape), exact_quantized(cfg, rng, shape)
     if dt.kind == "f":
         k = (rng.standard_normal(shape) * 10).astype(dt)
         v = (rng.standard_normal(shape) * 10).astype(dt)
@@ -37,9 +39,23 @@ def tokens(cfg, n, seed):
     return k, v
 
 
+def exact_quantized(cfg, rng, shape):
+    """float32 values a quantized pool stores without loss: int8 -- integers in
+    [-127, 127] with +-127 in every (token, head) row (scale exactly 1); float8_e4m3 --
+    e4m3fn numbers (the default per-head scale is 1)."""
+    if cfg.dtype == "int8":
+        x = rng.integers(-127, 127, shape, endpoint=True).astype(np.float32)
+        x[..., 0] = np.where(rng.random(shape[:-1]) < 0.5, -127.0, 127.0)
+        return x
+    import ml_dtypes
+    codes = rng.integers(0, 256, shape).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E          # no NaN codes
+    return codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
 def empty_kv(cfg):
     shape = (cfg.num_layers, 0, cfg.num_kv_heads, cfg.head_dim)
-    return np.empty(shape, cfg.numpy_dtype), np.empty(shape, cfg.numpy_dtype)
+    return np.empty(shape, cfg.compute_dtype), np.empty(shape, cfg.compute_dtype)
 
 
 def assert_same(a, b, what=""):
@@ -58,8 +74,17 @@ def read_via_views(cache, sid):
     ks, vs = [], []
     for layer in range(cfg.num_layers):
         kc, vc = cache.key_cache(layer), cache.value_cache(layer)
-        ks.append(kc[table].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:n])
-        vs.append(vc[table].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:n])
+        kq = kc[table].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:n]
+        vq = vc[table].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:n]
+        if cfg.quantized:           # codes times the scale views: x = q * s
+            ksc, vsc = cache.key_scales(layer), cache.value_scales(layer)
+            if cfg.dtype == "int8":
+                ksc = ksc[table].reshape(-1, cfg.num_kv_heads)[:n]
+                vsc = vsc[table].reshape(-1, cfg.num_kv_heads)[:n]
+            kq = kq.astype(np.float32) * ksc[..., None]
+            vq = vq.astype(np.float32) * vsc[..., None]
+        ks.append(kq)
+        vs.append(vq)
     return np.stack(ks), np.stack(vs)
 
 

@@ -37,13 +37,14 @@ def test_config_defaults_and_fields():
 def test_config_bytes_per_token_and_block(dtype, itemsize):
     cfg = shmkv.CacheConfig(num_layers=3, num_kv_heads=5, head_dim=7, num_blocks=10,
                             block_size=6, dtype=dtype)
-    assert cfg.bytes_per_token == 2 * 3 * 5 * 7 * itemsize
-    assert cfg.bytes_per_block == 2 * 3 * 5 * 7 * itemsize * 6
+    scales = 2 * 3 * 5 * 4 if dtype == "int8" else 0   # int8: a float32 per token and head
+    assert cfg.bytes_per_token == 2 * 3 * 5 * 7 * itemsize + scales
+    assert cfg.bytes_per_block == cfg.bytes_per_token * 6
     assert cfg.numpy_dtype == np.dtype(dtype)
     # the llama-ish shape of API.md
     big = shmkv.CacheConfig(num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=4096,
                             dtype=dtype)
-    assert big.bytes_per_token == 2 * 32 * 8 * 128 * itemsize
+    assert big.bytes_per_token == 2 * 32 * 8 * (128 * itemsize + (4 if dtype == "int8" else 0))
     assert big.bytes_per_block == big.bytes_per_token * 16
 
 
@@ -486,7 +487,7 @@ def test_gather_ranges(make_cache, dtype):
     assert_same(cache.gather(sid, np.int64(2), np.int32(5))[0], k[:, 2:5])
     empty = cache.create_sequence()
     gk, gv = cache.gather(empty)
-    assert gk.shape == (2, 0, 2, 8) and gk.dtype == cache.config.numpy_dtype
+    assert gk.shape == (2, 0, 2, 8) and gk.dtype == cache.config.compute_dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -496,20 +497,20 @@ def test_gather_out(make_cache, dtype):
     k, v = tokens(cfg, 11, 4)
     sid = cache.create_sequence()
     cache.append(sid, k, v)
-    ko = np.zeros((2, 11, 2, 8), cfg.numpy_dtype)
+    ko = np.zeros((2, 11, 2, 8), cfg.compute_dtype)
     vo = np.zeros_like(ko)
     res = cache.gather(sid, out=(ko, vo))
     assert res[0] is ko and res[1] is vo
     assert_same(ko, k)
     assert_same(vo, v)
-    ko2 = np.zeros((2, 4, 2, 8), cfg.numpy_dtype)
+    ko2 = np.zeros((2, 4, 2, 8), cfg.compute_dtype)
     vo2 = np.zeros_like(ko2)
     res = cache.gather(sid, 5, 9, out=(ko2, vo2))
     assert res[0] is ko2 and res[1] is vo2
     assert_same(ko2, k[:, 5:9])
     assert_same(vo2, v[:, 5:9])
     # slices of a bigger buffer are fine while C-contiguous
-    buf = np.zeros((2, 2, 3, 2, 8), cfg.numpy_dtype)
+    buf = np.zeros((2, 2, 3, 2, 8), cfg.compute_dtype)
     cache.gather(sid, 0, 3, out=(buf[0], buf[1]))
     assert_same(buf[0], k[:, :3])
     assert_same(buf[1], v[:, :3])
@@ -663,6 +664,9 @@ def test_key_value_cache_views(make_cache, dtype):
         for i, s in enumerate(slots):
             kc[s // cfg.block_size, s % cfg.block_size] = k[layer, i]
             vc[s // cfg.block_size, s % cfg.block_size] = v[layer, i]
+            if cfg.dtype == "int8":     # codes == values: scale 1 (beside them, zero-copy)
+                cache.key_scales(layer)[s // cfg.block_size, s % cfg.block_size] = 1.0
+                cache.value_scales(layer)[s // cfg.block_size, s % cfg.block_size] = 1.0
     gk, gv = cache.gather(sid)
     assert_same(gk, k)
     assert_same(gv, v)

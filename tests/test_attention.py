@@ -17,6 +17,8 @@ ISAS = [n for n in ("scalar", "avx2", "avx512")
         if ("scalar", "avx2", "avx512").index(n) <= ("scalar", "avx2", "avx512").index(
             _attention.cpu_isa())]
 DTYPES = ["float32", "float16", "bfloat16"]
+QDTYPES = ["int8", "float8_e4m3"]     # quantized pools: the reference reads gather()'s
+                                      # dequantized float32, so the tolerance is fp32's
 
 
 @pytest.fixture(params=ISAS)
@@ -67,8 +69,8 @@ def reference(cache, layer, q, sids, q_lens=None, scale=None):
 def fill(cache, sid, n, rng, scale=1.0):
     cfg = cache.config
     shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
-    k = (rng.standard_normal(shape) * scale).astype(cfg.numpy_dtype)
-    v = rng.standard_normal(shape).astype(cfg.numpy_dtype)
+    k = (rng.standard_normal(shape) * scale).astype(cfg.compute_dtype)
+    v = rng.standard_normal(shape).astype(cfg.compute_dtype)
     cache.append(sid, k, v)
     return k, v
 
@@ -80,7 +82,7 @@ def assert_close(got, want, tol=2e-5):
 
 
 # ---- correctness against the reference ------------------------------------------------------
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + QDTYPES)
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_decode_matches_reference(make_cache, isa, dtype, group):
     cache = make_cache(num_layers=2, num_kv_heads=2, head_dim=64, num_blocks=128,
@@ -96,7 +98,7 @@ def test_decode_matches_reference(make_cache, isa, dtype, group):
     assert cache.check() == []
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + QDTYPES)
 def test_chunked_prefill_matches_reference(make_cache, isa, dtype):
     cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=32, num_blocks=128,
                        block_size=16, dtype=dtype)
@@ -109,7 +111,7 @@ def test_chunked_prefill_matches_reference(make_cache, isa, dtype):
     assert_close(cache.attention(0, q, sids, q_lens=q_lens),
                  reference(cache, 0, q, sids, q_lens))
     # q_lens as an ndarray, scale given, q in the pool's dtype
-    q2 = q.astype(cache.config.numpy_dtype)
+    q2 = q.astype(np.float16 if cache.config.quantized else cache.config.numpy_dtype)
     got = cache.attention(0, q2, sids, q_lens=np.array(q_lens, np.int64), scale=0.3)
     assert_close(got, reference(cache, 0, q2, sids, q_lens, scale=0.3))
 

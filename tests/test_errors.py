@@ -102,7 +102,7 @@ def test_wrong_dtype_is_type_error_naming_both(env, case):
 
 
 @pytest.mark.parametrize("dtype,wrong", [("float32", np.float16), ("int8", np.uint8),
-                                         ("int8", np.float16), ("float16", np.int8)])
+                                         ("int8", np.int8), ("float16", np.int8)])
 def test_wrong_dtype_other_cache_dtypes(make_cache, dtype, wrong):
     cache = make_cache(dtype=dtype)
     cfg = cache.config

@@ -48,7 +48,9 @@ def test_sequence_built_in_one_process_read_in_another(cache, spawn, tmp_path):
     assert cache.stats()["free_blocks"] == cfg.num_blocks
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+# (int8 pools are quantized: raw writes through the views need the scale views too;
+# tests/test_quant.py covers them)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_key_cache_writes_cross_processes(make_cache, spawn, tmp_path, dtype):
     cache = make_cache(dtype=dtype)
     cfg = cache.config

@@ -155,8 +155,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         b = data.draw(st.integers(a, L), label="stop")
         if data.draw(st.booleans(), label="out="):
             shape = (self.cfg.num_layers, b - a, self.cfg.num_kv_heads, self.cfg.head_dim)
-            ko = np.full(shape, 7, self.cfg.numpy_dtype)
-            vo = np.full(shape, 7, self.cfg.numpy_dtype)
+            ko = np.full(shape, 7, self.cfg.compute_dtype)
+            vo = np.full(shape, 7, self.cfg.compute_dtype)
             res = self.cache.gather(sid, a, b, out=(ko, vo))
             assert res[0] is ko and res[1] is vo
             gk, gv = ko, vo
@@ -228,7 +228,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(i=pick)
     def bad_dtype_append(self, i):
         sid = self._sid(i)
-        wrong = np.float32 if self.DTYPE != "float32" else np.float16
+        wrong = (np.int8 if self.DTYPE == "int8"          # quantized: floats are right
+                 else np.float32 if self.DTYPE != "float32" else np.float16)
         k = np.zeros((self.cfg.num_layers, 1, self.cfg.num_kv_heads, self.cfg.head_dim), wrong)
         before = footprint(self.cache)
         with pytest.raises(TypeError):

@@ -44,3 +44,20 @@ def test_as_tensor_on_attention_output_and_errors(make_cache):
 def test_import_shmkv_does_not_import_torch():
     code = "import sys, shmkv; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_quantized_pool_views(make_cache):
+    """int8 and float8_e4m3 pools: codes and scales as torch tensors over the segment."""
+    for dtype, tdt in (("int8", torch.int8), ("float8_e4m3", torch.float8_e4m3fn)):
+        cache = make_cache(dtype=dtype)
+        sid = cache.create_sequence()
+        k = np.random.default_rng(0).standard_normal(
+            (2, 3, 2, 8)).astype(np.float32)
+        cache.append(sid, k, -k)
+        kt, vt = pool_tensors(cache, 0)
+        assert kt.dtype == tdt and kt.shape == cache.key_cache(0).shape
+        b = int(cache.block_table(sid)[0])
+        qk, _, sk, _ = cache.gather(sid, raw=True)
+        assert np.array_equal(kt[b, :3].view(torch.uint8).numpy(), qk[0].view(np.uint8))
+        st = as_tensor(cache.key_scales(0))
+        assert st.dtype == torch.float32 and np.shares_memory(st.numpy(), cache.key_scales(0))

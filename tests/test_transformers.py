@@ -439,3 +439,31 @@ def test_mode_full_under_shmkv_is_right_and_mode_is_checked(model, make_kv):
             past.mode = "fast"
     assert torch.equal(out.sequences, ref.sequences) and rel_err(ref, out) < TOL
     settled(kv)
+
+
+# ---- quantized pools (issue 14) ----------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3"])
+def test_quantized_pool_paged_and_dense_agree(model, make_kv, dtype):
+    """config_for(..., dtype="int8" | "float8_e4m3"): ShmkvCache writes float32 and the
+    pool quantizes; the paged kernel ("shmkv") and dense attention over the dequantized
+    K/V ("sdpa", through the views) read the same values, so their logits agree to fp32
+    rounding; both stay near DynamicCache's (the quantization's error)."""
+    ids = prompts(2, 13, seed=5)
+    res = {}
+    for attn in ("shmkv", "sdpa"):
+        model.set_attn_implementation(attn)
+        kv = make_kv(model, dtype=dtype)
+        assert kv.config.quantized
+        with ShmkvCache(kv) as past, paged_only(attn == "shmkv"):
+            res[attn] = model.generate(ids, past_key_values=past, max_new_tokens=5, **GREEDY)
+            assert all(kv.seq_len(s) == 17 for s in past.sequence_ids)
+        settled(kv)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(res["shmkv"].sequences[:, :14], res["sdpa"].sequences[:, :14])
+    first = [(a[0:1], b[0:1]) for a, b in zip(res["shmkv"].logits[:1], res["sdpa"].logits[:1])]
+    scale = max(float(a.abs().max()) for a, _ in first)
+    assert max(float((a - b).abs().max()) for a, b in first) <= 1e-4 * scale
+    ref = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=5, **GREEDY)
+    err = float((ref.logits[0] - res["shmkv"].logits[0]).abs().max()) / float(
+        ref.logits[0].abs().max())
+    assert err < (0.05 if dtype == "int8" else 0.5)

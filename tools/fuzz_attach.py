@@ -109,8 +109,8 @@ STATE_READY, STATE_INIT = 0x52454459, 0x494E4954
 
 KINDS = ("random", "header_flip", "header_field", "header_field_sum", "config",
          "body_struct", "body_raw", "body_many", "consistent_seq", "size", "state", "mutex",
-         "events")
-WEIGHTS = (6, 8, 6, 8, 10, 22, 10, 8, 10, 6, 3, 3, 8)
+         "events", "scales")
+WEIGHTS = (6, 8, 6, 8, 10, 22, 10, 8, 10, 6, 3, 3, 8, 6)
 OUTCOMES = ("cases", "snap_ok", "snap_rejected", "attached", "attach_rejected", "op_errors",
             "findings")
 PROG_WORDS = 2 + len(KINDS) * len(OUTCOMES)
@@ -164,7 +164,15 @@ TEMPLATE_CONFIGS = [
     {"num_layers": 3, "num_kv_heads": 1, "head_dim": 1, "num_blocks": 32, "block_size": 8,
          "dtype": "float16", "max_seqs": 16, "max_procs": 8, "max_seq_len": 64,
          "event_capacity": 64},
+    # quantized pools (issue 14): their scales are mutated too (kind "scales")
+    {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "num_blocks": 16, "block_size": 4,
+         "dtype": "int8", "max_seqs": 8, "max_procs": 4},
+    {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "num_blocks": 16, "block_size": 4,
+         "dtype": "float8_e4m3", "max_seqs": 8, "max_procs": 4},
 ]
+# scale values a hostile segment may hold: NaN/inf/huge/tiny/negative/denormal float32
+SCALE_VALUES = (float("nan"), float("inf"), float("-inf"), 3.4e38, -3.4e38, 1e-45, 0.0,
+                -1.0, 1e30, 1e-30)
 
 
 class _FixedSeed:
@@ -198,7 +206,7 @@ def _make_templates(tag):
 
         def toks(n, base, cfg=cfg):
             shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
-            a = (np.arange(np.prod(shape)) + base).astype(cfg.numpy_dtype).reshape(shape)
+            a = (np.arange(np.prod(shape)) + base).astype(cfg.compute_dtype).reshape(shape)
             return a, -a
 
         c = shmkv.KVCache.create(name, cfg)
@@ -429,6 +437,25 @@ def make_case(templates, seed, i):
             mutate_field(lay["off_blocks"] + BLOCK_SIZE * rng.randrange(nb), BLOCK_FIELDS)
         if rng.random() < 0.3:
             mutate_field(0, SH_FIELDS)
+    elif kind == "scales":
+        # a quantized pool's scales (int8: per token and head; float8: per layer and
+        # head) set to NaN / inf / huge / negative / denormal, and raw bytes of the
+        # codes: NaN outputs are fine, a crash or a read out of bounds is not
+        if lay.get("off_kscale"):
+            lo, hi = lay["off_kscale"], lay["off_vscale"] + (lay["off_vscale"] - lay["off_kscale"])
+        elif lay.get("off_hscale"):
+            lo, hi = lay["off_hscale"], lay["off_hscale"] + 8 * cfg["num_layers"] * cfg["num_kv_heads"]
+        else:
+            lo, hi = lay["off_kpool"], lay["segment_size"]
+        hi = min(hi, len(buf))
+        for _ in range(rng.randint(1, 24)):
+            o = lo + 4 * rng.randrange(max(1, (hi - lo) // 4))
+            if o + 4 <= len(buf):
+                struct.pack_into("<f", buf, o, rng.choice(SCALE_VALUES))
+        for _ in range(rng.randint(0, 8)):          # and some codes
+            o = rng.randrange(lay["off_kpool"], lay["off_kscale"] or lay["off_hscale"] or hi)
+            if o < len(buf):
+                buf[o] = rng.randrange(256)
     elif kind == "size":
         r = rng.random()
         if r < 0.45:
@@ -612,7 +639,7 @@ def exercise(c, rng, finding):
     if rng.random() < 0.5:
         s = op("create_sequence", c.create_sequence)
         if s is not None:
-            a = np.ones((cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim), cfg.numpy_dtype)
+            a = np.ones((cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim), cfg.compute_dtype)
             op("append", c.append, s, a, a)
             ch = op("fork", c.fork, s)
             if ch is not None:

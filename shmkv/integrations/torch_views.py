@@ -19,7 +19,8 @@ __all__ = ["as_tensor", "pool_tensors"]
 
 
 def as_tensor(array: np.ndarray) -> "torch.Tensor":
-    """A torch tensor sharing ``array``'s memory (float32, float16, bfloat16, ints).
+    """A torch tensor sharing ``array``'s memory (float32, float16, bfloat16, float8 e4m3fn,
+    ints).
 
     Raises TypeError for a non-ndarray or a dtype torch cannot view without a copy.
     Writable or not, the tensor aliases the array: writes through it land in the array.
@@ -30,6 +31,8 @@ def as_tensor(array: np.ndarray) -> "torch.Tensor":
         raise TypeError(f"array: expected numpy.ndarray, got {type(array).__name__}")
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    if array.dtype.name == "float8_e4m3fn":        # a float8_e4m3 pool's codes
+        return torch.from_numpy(array.view(np.uint8)).view(torch.float8_e4m3fn)
     try:
         return torch.from_numpy(array)
     except TypeError as e:

@@ -43,9 +43,22 @@ static inline float shmkv_bf16_to_f32(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+/* bytes per element of a kernel element type */
+#define SHMKV_ESZ(dt) ((dt) == SHMKV_ATT_F32 ? 4u : ((dt) == SHMKV_ATT_I8 || (dt) == SHMKV_ATT_E4M3) ? 1u : 2u)
+#define SHMKV_QUANT(dt) ((dt) == SHMKV_ATT_I8 || (dt) == SHMKV_ATT_E4M3)
+/* e4m3fn code -> float16 bits by a shift: (s eeee mmm) -> (s 0eeee mmm0000000) reads as
+ * the code's value times 2^-8 (exponent bias 15 instead of 7), subnormal codes included
+ * (as float16 subnormals, which the F16C conversion turns into normal floats).  The
+ * kernel loads e4m3 codes this way -- one conversion the hardware does, no float32
+ * denormal arithmetic (a multiply by 2^120 of float32 denormals took a microcode assist
+ * per vector: 2.2x fp16's time) -- and folds the 2^8 into the per-head scale. */
+#define SHMKV_E4M3_F16_BITS(x) ((uint16_t)((((x) & 0x80u) << 8) | (((x) & 0x7fu) << 7)))
+#define SHMKV_E4M3_UNIT 256.0f             /* what an e4m3 load is off by: times the scale */
 static inline float shmkv_load_elem(const uint8_t *p, int dt, uint32_t i) {
     uint16_t h;
     switch (dt) {
+    case SHMKV_ATT_I8: return (float)(int8_t)p[i];
+    case SHMKV_ATT_E4M3: return shmkv_f16_to_f32(SHMKV_E4M3_F16_BITS(p[i]));   /* / 2^8 */
     case SHMKV_ATT_F16: memcpy(&h, p + 2 * (size_t)i, 2); return shmkv_f16_to_f32(h);
     case SHMKV_ATT_BF16: memcpy(&h, p + 2 * (size_t)i, 2); return shmkv_bf16_to_f32(h);
     default: { float f; memcpy(&f, p + 4 * (size_t)i, 4); return f; }

@@ -24,14 +24,21 @@
 
 #include <stdint.h>
 
-enum { SHMKV_ATT_F32 = 0, SHMKV_ATT_F16 = 1, SHMKV_ATT_BF16 = 2 };
+enum { SHMKV_ATT_F32 = 0, SHMKV_ATT_F16 = 1, SHMKV_ATT_BF16 = 2,
+       SHMKV_ATT_I8 = 3,        /* int8 codes, a float32 scale per slot and kv head */
+       SHMKV_ATT_E4M3 = 4 };    /* float8 e4m3fn codes, a float32 scale per kv head */
 enum { SHMKV_ISA_SCALAR = 0, SHMKV_ISA_AVX2 = 1, SHMKV_ISA_AVX512 = 2 };
 enum { SHMKV_ATT_OK = 0, SHMKV_ATT_ECORRUPT = 1, SHMKV_ATT_ENOMEM = 2, SHMKV_ATT_EARG = 3 };
 
 typedef struct {
     const uint8_t *kpool;           /* this layer's K pool [num_blocks][block_size][hkv][d] */
     const uint8_t *vpool;           /* this layer's V pool, same shape */
-    int kv_dtype;                   /* SHMKV_ATT_F32 / F16 / BF16 */
+    int kv_dtype;                   /* SHMKV_ATT_F32 / F16 / BF16 / I8 / E4M3 */
+    /* quantized pools (issue 14): the scales are applied to the score (K: q . s k =
+     * s (q . k)) and to the probability (V: sum p s v), never per element; shared memory,
+     * read as data (NaN/inf give NaN outputs, never an out-of-bounds read) */
+    const float *kscale, *vscale;   /* I8: this layer's [num_blocks * block_size][hkv] */
+    const float *khead, *vhead;     /* E4M3: this layer's [hkv] */
     uint32_t num_blocks, block_size, hkv, hq, d;
     uint32_t nseq;
     const int32_t *const *tables;   /* [nseq] each sequence's table (shared memory: checked) */

@@ -28,6 +28,15 @@
 #define VMUL(a, b) _mm512_mul_ps((a), (b))
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) {
+    if (dt == SHMKV_ATT_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    if (dt == SHMKV_ATT_E4M3) {             /* 16 codes -> float16 bits -> floats / 2^8 */
+        /* sign-extended to 16 bits and shifted by 7: the sign lands on bits 15 and 14,
+         * (eeee mmm) on 13..7; clearing bit 14 leaves the float16 of SHMKV_E4M3_F16_BITS */
+        const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7),
+                                                _mm256_set1_epi16((short)0xbfff)));
+    }
     if (dt == SHMKV_ATT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     if (dt == SHMKV_ATT_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -86,6 +95,13 @@ SHMKV_AI float FN(vmax16)(const float *s) {
     return _mm_cvtss_f32(x);
 }
 SHMKV_AI VEC FN(vld)(const uint8_t *p, const int dt) {
+    if (dt == SHMKV_ATT_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    if (dt == SHMKV_ATT_E4M3) {             /* 8 codes -> float16 bits -> floats / 2^8 */
+        const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+        return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7),
+                                             _mm_set1_epi16((short)0xbfff)));
+    }
     if (dt == SHMKV_ATT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     if (dt == SHMKV_ATT_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -180,7 +196,7 @@ SHMKV_AI float FN(vexpsub)(float *s, float mx) {
 /* ---- scores: s4[4 j + g] = q[g] . k[j] for KBN keys and NG query vectors ------------- */
 SHMKV_AI void FN(scores_blk)(const float *q, const uint8_t *const *kr, uint32_t d, float *s4,
                              const int dt, const int NG, const int KBN) {
-    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+    const size_t esz = SHMKV_ESZ(dt);
     VEC a[KB][4];
 #pragma GCC unroll 4
     for (int i = 0; i < KBN; i++)
@@ -210,8 +226,8 @@ SHMKV_AI void FN(scores_blk)(const float *q, const uint8_t *const *kr, uint32_t 
 /* ---- scores: s[g][j] = q[g] . k[j] for NG query vectors (q pre-scaled) ---------------- */
 SHMKV_AI void FN(scores_k)(const float *q, const uint8_t *const *krow, uint32_t nt, uint32_t d,
                            float *s, const int dt, const int NG, const uint8_t *const *pf,
-                           uint32_t npf) {
-    const size_t rb = (size_t)d * (dt == SHMKV_ATT_F32 ? 4 : 2);
+                           uint32_t npf, const float *ksc) {
+    const size_t rb = (size_t)d * SHMKV_ESZ(dt);
     float s4[4 * TILE];
     uint32_t j = 0;
     for (; j + KB <= nt; j += KB) {
@@ -225,8 +241,16 @@ SHMKV_AI void FN(scores_k)(const float *q, const uint8_t *const *krow, uint32_t 
         FN(scores_blk)(q, krow + j, d, s4 + 4 * j, dt, NG, 1);
     }
     for (uint32_t i = j; i < npf; i++) shmkv_att_prefetch(pf[i], rb);
-    for (int g = 0; g < NG; g++)                /* [token][g] -> [g][token] */
-        for (uint32_t t = 0; t < nt; t++) s[g * TILE + t] = s4[4 * t + g];
+    if (SHMKV_QUANT(dt)) {                      /* q . (s k) = s (q . k): one multiply per score */
+        /* the whole tile (a constant trip count): past nt the scores are masked to -inf
+         * by the item before any use; the unused s4 entries are zeroed, not read raw */
+        if (nt < TILE) memset(s4 + 4 * nt, 0, sizeof(float) * 4 * (TILE - nt));
+        for (int g = 0; g < NG; g++)
+            for (uint32_t t = 0; t < TILE; t++) s[g * TILE + t] = s4[4 * t + g] * ksc[t];
+    } else {
+        for (int g = 0; g < NG; g++)            /* [token][g] -> [g][token] */
+            for (uint32_t t = 0; t < nt; t++) s[g * TILE + t] = s4[4 * t + g];
+    }
 }
 
 /* ---- acc[g][c0, c0 + CCN W) = acc * alpha[g] + sum_j p[g][j] v[j][c0, ...) ----------- */
@@ -234,7 +258,7 @@ SHMKV_AI void FN(vacc_blk)(float *acc, const float *alpha, const float *p,
                            const uint8_t *const *vrow, uint32_t nt, uint32_t d, uint32_t c0,
                            const int dt, const int NG, const int CCN, const uint8_t *const *pf,
                            uint32_t npf) {
-    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+    const size_t esz = SHMKV_ESZ(dt);
     VEC o[4][CC];
 #pragma GCC unroll 4
     for (int g = 0; g < NG; g++) {
@@ -269,7 +293,7 @@ SHMKV_AI void FN(vacc_k)(float *acc, const float *alpha, const float *p,
     for (; c + CC * W <= d; c += CC * W, npf = 0)       /* prefetches with the first chunk */
         FN(vacc_blk)(acc, alpha, p, vrow, nt, d, c, dt, NG, CC, pf, npf);
     for (; c < d; c += W, npf = 0) FN(vacc_blk)(acc, alpha, p, vrow, nt, d, c, dt, NG, 1, pf, npf);
-    for (uint32_t j = nt; j < npf; j++) shmkv_att_prefetch(pf[j], (size_t)d * (dt == SHMKV_ATT_F32 ? 4 : 2));
+    for (uint32_t j = nt; j < npf; j++) shmkv_att_prefetch(pf[j], (size_t)d * SHMKV_ESZ(dt));
 }
 
 #define SHMKV_NG_SWITCH(call, dtv)                                                     \
@@ -283,19 +307,29 @@ SHMKV_AI void FN(vacc_k)(float *acc, const float *alpha, const float *p,
     switch (dt) {                                                                      \
     case SHMKV_ATT_F16: SHMKV_NG_SWITCH(call, SHMKV_ATT_F16) break;                    \
     case SHMKV_ATT_BF16: SHMKV_NG_SWITCH(call, SHMKV_ATT_BF16) break;                  \
+    case SHMKV_ATT_I8: SHMKV_NG_SWITCH(call, SHMKV_ATT_I8) break;                      \
+    case SHMKV_ATT_E4M3: SHMKV_NG_SWITCH(call, SHMKV_ATT_E4M3) break;                  \
     default: SHMKV_NG_SWITCH(call, SHMKV_ATT_F32) break;                               \
     }
 
 static void FN(scores)(const float *q, uint32_t ng, const uint8_t *const *krow, uint32_t nt,
-                       uint32_t d, int dt, float *s, const uint8_t *const *pf, uint32_t npf) {
-#define SHMKV_SC(DT, NG) FN(scores_k)(q, krow, nt, d, s, DT, NG, pf, npf)
+                       uint32_t d, int dt, float *s, const uint8_t *const *pf, uint32_t npf,
+                       const float *ksc) {
+#define SHMKV_SC(DT, NG) FN(scores_k)(q, krow, nt, d, s, DT, NG, pf, npf, ksc)
     SHMKV_DT_SWITCH(SHMKV_SC)
 #undef SHMKV_SC
 }
 
 static void FN(vacc)(float *acc, uint32_t ng, const float *alpha, const float *p,
                      const uint8_t *const *vrow, uint32_t nt, uint32_t d, int dt,
-                     const uint8_t *const *pf, uint32_t npf) {
+                     const uint8_t *const *pf, uint32_t npf, const float *vsc) {
+    float ps[4 * TILE];
+    if (SHMKV_QUANT(dt)) {                      /* sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j */
+        /* p and vsc are 0 past nt (masked keys; see the item): one vector multiply per g */
+        for (uint32_t g = 0; g < ng; g++)
+            for (uint32_t j = 0; j < TILE; j++) ps[g * TILE + j] = p[g * TILE + j] * vsc[j];
+        p = ps;
+    }
 #define SHMKV_VA(DT, NG) FN(vacc_k)(acc, alpha, p, vrow, nt, d, DT, NG, pf, npf)
     SHMKV_DT_SWITCH(SHMKV_VA)
 #undef SHMKV_VA
@@ -314,10 +348,12 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
     const uint32_t L = a->seq_lens[it->seq], ql = a->q_lens[it->seq];
     const uint32_t first = L - ql + it->row0;          /* position of the item's first row */
     const int32_t *table = a->tables[it->seq];
-    const size_t esz = dt == SHMKV_ATT_F32 ? 4 : 2;
+    const size_t esz = SHMKV_ESZ(dt);
     const size_t tok = (size_t)a->hkv * d * esz, hstride = (size_t)d * esz;
     const uint8_t *kb[2][TILE], *vb[2][TILE], *krow[TILE], *vrow[TILE], *pk[TILE], *pv[TILE];
     float s[4 * TILE], alpha[4];
+    size_t slot[2][TILE];                      /* int8: the tile's slots, for the scales */
+    float ksc[TILE], vsc[TILE];                /* quantized: this head's scales of the tile */
     memset(acc, 0, (size_t)nqv * d * sizeof(float));
     for (uint32_t v = 0; v < nqv; v++) { m[v] = -INFINITY; l[v] = 0; }
     /* the row addresses of tile ts into kb[w], vb[w]; block ids read once and checked */
@@ -332,6 +368,7 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
             }                                                                          \
             const size_t off = ((size_t)blk * bs + t % bs) * tok;                      \
             kb[w_][j] = a->kpool + off;                                                \
+            slot[w_][j] = (size_t)blk * bs + t % bs;                                   \
             vb[w_][j] = a->vpool + off;                                                \
         }                                                                              \
     } while (0)
@@ -347,6 +384,18 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
                 krow[j] = kbase[j] + h * hstride;
                 vrow[j] = vbase[j] + h * hstride;
             }
+            if (dt == SHMKV_ATT_I8) {
+                for (uint32_t j = 0; j < nt; j++) {
+                    ksc[j] = a->kscale[slot[w][j] * a->hkv + h];
+                    vsc[j] = a->vscale[slot[w][j] * a->hkv + h];
+                }
+            } else if (dt == SHMKV_ATT_E4M3) {
+                /* the loads read codes / 2^8 (see SHMKV_E4M3_F16_BITS) */
+                const float kh = a->khead[h] * SHMKV_E4M3_UNIT, vh = a->vhead[h] * SHMKV_E4M3_UNIT;
+                for (uint32_t j = 0; j < nt; j++) { ksc[j] = kh; vsc[j] = vh; }
+            }
+            if (SHMKV_QUANT(dt))                 /* past the tile's keys: 0 (vacc's multiply) */
+                for (uint32_t j = nt; j < TILE; j++) ksc[j] = vsc[j] = 0.0f;
             /* the next tile's rows of this head are prefetched a tile ahead, spread over
              * the score and V loops of the first query group: the rows of one head are
              * hstride bytes every tok bytes, a stride the hardware prefetchers miss */
@@ -359,7 +408,7 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
                 const uint32_t ng = nqh - q0 < 4 ? nqh - q0 : 4, v0 = h * nqh + q0;
                 /* a tile wholly past every row's last key is skipped */
                 if (first + (q0 + ng - 1) / G + 1 <= ts) continue;
-                FN(scores)(qf + (size_t)v0 * d, ng, krow, nt, d, dt, s, pk, npf);
+                FN(scores)(qf + (size_t)v0 * d, ng, krow, nt, d, dt, s, pk, npf, ksc);
                 int any = 0;
                 for (uint32_t g = 0; g < ng; g++) {
                     const uint32_t v = v0 + g, lim = first + (q0 + g) / G + 1;
@@ -384,7 +433,7 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
                     m[v] = mn;
                     any = 1;
                 }
-                if (any) FN(vacc)(acc + (size_t)v0 * d, ng, alpha, s, vrow, nt, d, dt, pv, npf);
+                if (any) FN(vacc)(acc + (size_t)v0 * d, ng, alpha, s, vrow, nt, d, dt, pv, npf, vsc);
                 else
                     for (uint32_t j = 0; j < npf; j++) shmkv_att_prefetch(pv[j], hstride);
                 npf = 0;

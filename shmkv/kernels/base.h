@@ -98,6 +98,8 @@ typedef struct {
     shmkv_index_t *index;
     uint8_t *kpool;
     uint8_t *vpool;
+    float *kscale, *vscale;     /* int8 pools: per-token scale regions (layer 0), or NULL */
+    float *hscale;              /* float8 pools: [2][layers][heads] per-head scales, or NULL */
     shmkv_config_t cfg;         /* trusted copies, validated at bind */
     shmkv_layout_t lay;
     int lock_fd;                /* fd whose OFD lock marks us alive; probes use it; -1 */
@@ -213,6 +215,9 @@ static int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int read
     c->index = (shmkv_index_t *)(base + lay.off_index);
     c->kpool = base + lay.off_kpool;
     c->vpool = base + lay.off_vpool;
+    c->kscale = lay.off_kscale ? (float *)(base + lay.off_kscale) : NULL;
+    c->vscale = lay.off_vscale ? (float *)(base + lay.off_vscale) : NULL;
+    c->hscale = lay.off_hscale ? (float *)(base + lay.off_hscale) : NULL;
     c->readonly = readonly;
     c->events = lay.off_events ? base + lay.off_events : NULL;
     return SHMKV_OK;
@@ -252,6 +257,10 @@ static int shmkv_seg_init(uint8_t *base, const shmkv_config_t *cfg, uint64_t pid
     for (uint32_t i = 0; i < cfg->max_seqs; i++) sf[i] = cfg->max_seqs - 1 - i;
     sh->seq_free_top = cfg->max_seqs;
     memset(base + lay.off_tables, 0xff, (size_t)cfg->max_seqs * cfg->max_blocks_per_seq * 4u);
+    if (lay.off_hscale) {                       /* float8 pools: per-head scales 1.0 */
+        float *hs = (float *)(base + lay.off_hscale);
+        for (uint64_t i = 0; i < 2ull * cfg->num_layers * cfg->num_kv_heads; i++) hs[i] = 1.0f;
+    }
 
     shmkv_header_t *h = (shmkv_header_t *)base;
     memset(h, 0, sizeof *h);

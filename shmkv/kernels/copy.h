@@ -66,15 +66,18 @@ static void shmkv__copy_nt(uint8_t *dst, const uint8_t *src, uint64_t n) { memcp
 static inline void shmkv__nt_fence(void) {}
 #endif
 
-/* to_pool=1: buf -> pool (append); 0: pool -> buf (gather).  buf is [layers][n][token]. */
-static void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
-                           uint8_t *pool, uint8_t *buf, int to_pool) {
+/* to_pool=1: buf -> pool (append); 0: pool -> buf (gather).  buf is [layers][n][tb]; the
+ * pool's rows are tb bytes per slot, layers `stride` bytes apart (the K/V pools, or an
+ * int8 pool's scale regions: tb = scale_bytes, stride = scale_stride). */
+static void shmkv_seq_copy_rows(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+                                uint8_t *pool, uint64_t stride, uint64_t tb, uint8_t *buf,
+                                int to_pool) {
     const int32_t *t = shmkv_table(c, slot);
-    const uint64_t tb = c->lay.token_bytes, bs = c->cfg.block_size;
+    const uint64_t bs = c->cfg.block_size;
     const int nt = SHMKV_HAVE_NT && n * tb * c->cfg.num_layers >= SHMKV_NT_MIN;
     for (uint32_t l = 0; l < c->cfg.num_layers; l++) {
         if (!to_pool && l == c->cfg.num_layers / 2) SHMKV_CRASH(GATHER_MID);
-        uint8_t *layer = pool + (uint64_t)l * c->lay.layer_stride;
+        uint8_t *layer = pool + (uint64_t)l * stride;
         uint8_t *b = buf + (uint64_t)l * n * tb;
         uint64_t p = pos, rem = n;
         while (rem) {
@@ -98,6 +101,13 @@ static void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t
     if (nt) shmkv__nt_fence();
 }
 
+/* The K or V pool's rows: see shmkv_seq_copy_rows. */
+static void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+                           uint8_t *pool, uint8_t *buf, int to_pool) {
+    shmkv_seq_copy_rows(c, slot, pos, n, pool, c->lay.layer_stride, c->lay.token_bytes, buf,
+                        to_pool);
+}
+
 /* Slot ids of positions [pos, pos+n) (slot = block * block_size + offset). */
 static void shmkv_seq_slots(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
                             int64_t *out) {
@@ -107,22 +117,29 @@ static void shmkv_seq_slots(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, u
         out[i] = (int64_t)t[pos / bs] * (int64_t)bs + (int64_t)(pos % bs);
 }
 
-/* Scatter of n tokens of one layer into slots (vLLM reshape_and_cache).  All slots are
- * validated before the first byte moves. */
-static int shmkv_write_slots(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
-                             const uint8_t *k, const uint8_t *v, int64_t *bad) {
+/* Scatter of n tokens of one layer into slots (vLLM reshape_and_cache): rows of tb bytes
+ * into kbase/vbase (layer 0 of the pools, or of an int8 pool's scale regions), layers
+ * `stride` apart.  All slots are validated before the first byte moves. */
+static int shmkv_write_rows(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
+                            uint8_t *kbase, uint8_t *vbase, uint64_t stride, uint64_t tb,
+                            const uint8_t *k, const uint8_t *v, int64_t *bad) {
     if (layer >= c->cfg.num_layers) return SHMKV_ERANGE;
     const int64_t nslots = (int64_t)c->cfg.num_blocks * c->cfg.block_size;
     for (uint64_t i = 0; i < n; i++)
         if (slots[i] < 0 || slots[i] >= nslots) { *bad = (int64_t)i; return SHMKV_ERANGE; }
-    const uint64_t tb = c->lay.token_bytes;
-    uint8_t *kl = c->kpool + (uint64_t)layer * c->lay.layer_stride;
-    uint8_t *vl = c->vpool + (uint64_t)layer * c->lay.layer_stride;
+    uint8_t *kl = kbase + (uint64_t)layer * stride;
+    uint8_t *vl = vbase + (uint64_t)layer * stride;
     for (uint64_t i = 0; i < n; i++) {
         memcpy(kl + (uint64_t)slots[i] * tb, k + i * tb, tb);
         memcpy(vl + (uint64_t)slots[i] * tb, v + i * tb, tb);
     }
     return SHMKV_OK;
+}
+
+static int shmkv_write_slots(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
+                             const uint8_t *k, const uint8_t *v, int64_t *bad) {
+    return shmkv_write_rows(c, layer, slots, n, c->kpool, c->vpool, c->lay.layer_stride,
+                            c->lay.token_bytes, k, v, bad);
 }
 
 #endif /* SHMKV_KERNELS_COPY_H */

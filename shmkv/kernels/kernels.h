@@ -18,6 +18,7 @@
 #define SHMKV_KERNELS_H
 
 #include "base.h"
+#include "quant.h"
 #include "lock.h"
 #include "events.h"
 #include "alloc.h"

@@ -200,7 +200,8 @@ static int shmkv_seq_grow_locked(shmkv_ctx_t *c, uint32_t slot, shmkv_grow_plan_
     return st;
 }
 
-/* Copies the first `tokens` tokens of every layer's K and V from block src to dst.
+/* Copies the first `tokens` tokens of every layer's K and V (and their scales) from block
+ * src to dst.
  * No lock: src is held by our table (we hold the sequence lock), dst by our in-flight
  * record. */
 static void shmkv_block_copy(shmkv_ctx_t *c, uint32_t src, uint32_t dst, uint32_t tokens) {
@@ -214,6 +215,7 @@ static void shmkv_block_copy(shmkv_ctx_t *c, uint32_t src, uint32_t dst, uint32_
         memcpy(c->vpool + lo + (uint64_t)dst * c->lay.block_bytes,
                c->vpool + lo + (uint64_t)src * c->lay.block_bytes, nbytes);
     }
+    shmkv_scales_block_copy(c, src, dst, tokens);   /* int8 pools: a block carries its scales */
 }
 
 /* Puts the filled copy-on-write target in place of the shared block: one table store

@@ -193,6 +193,32 @@ def errors(cache: shmkv.KVCache) -> None:
         assert issubclass(exc, shmkv.ShmkvError)
 
 
+def quantized(name: str) -> None:
+    """int8 and float8_e4m3 pools (issue 14): float in, float32 out, raw codes + scales."""
+    for dtype in ("int8", "float8_e4m3"):
+        cfg = shmkv.CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=16,
+                                block_size=4, dtype=dtype, max_seqs=4)
+        assert cfg.quantized and cfg.compute_dtype == np.float32
+        with shmkv.KVCache.create(f"{name}-{dtype}", cfg) as cache:
+            try:
+                if dtype == "float8_e4m3":
+                    cache.set_kv_scales(0, 0.5, [1.0, 2.0])
+                    ks, vs = cache.kv_scales(0)
+                    assert ks.shape == (2,) and vs.shape == (2,)
+                sid = cache.create_sequence()
+                cache.append(sid, _kv(cfg, 3, 1), _kv(cfg, 3, 2))
+                k, v = cache.gather(sid)
+                assert k.dtype == np.float32
+                qk, qv, sk, sv = cache.gather(sid, raw=True)
+                assert qk.dtype == cfg.numpy_dtype and sk.dtype == np.float32
+                scales: npt.NDArray[np.float32] = cache.key_scales(1)
+                assert scales.dtype == cache.value_scales(0).dtype
+                out = cache.attention(1, np.ones((1, 4, 8), np.float32), [sid])
+                assert out.shape == (1, 4, 8)
+            finally:
+                cache.unlink()
+
+
 def main(name: str) -> None:
     cfg = shmkv.CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=64,
                             block_size=4, dtype="float32", max_seqs=16, event_capacity=64)
@@ -219,6 +245,7 @@ def main(name: str) -> None:
         kv_events(cache)
         attention(cache)
         errors(cache)
+        quantized(name)
         assert cache.check() == []
     finally:
         cache.unlink()

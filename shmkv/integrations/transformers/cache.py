@@ -147,8 +147,10 @@ class ShmkvCache(Cache):
         self._cfg = cfg
         self._num_layers = cfg.num_layers
         self._np_dtype = cfg.numpy_dtype
+        # a quantized pool (int8, float8_e4m3) is written and read in float32 (its
+        # compute dtype); write() quantizes, attention() dequantizes in registers
         self._torch_dtype = {"float32": torch.float32, "float16": torch.float16,
-                             "bfloat16": torch.bfloat16}.get(cfg.dtype)
+                             "bfloat16": torch.bfloat16}.get(cfg.dtype, torch.float32)
         self._rows: List[int] = []          # one sid per batch row
         self._len = 0                       # tokens every layer of every row holds
         self._step_n = 0                    # tokens of the open step (0: none open)
@@ -418,6 +420,8 @@ class ShmkvCache(Cache):
         bs = self._cfg.block_size
         nb = -(-length // bs)
         tab = self._block_tables()[:, :nb]
+        if self._cfg.quantized:
+            return self._full_kv_quantized(layer, length, tab, dtype)
         kp, vp = self._pool(layer)
         B = tab.shape[0]
         H, D = self._cfg.num_kv_heads, self._cfg.head_dim
@@ -426,6 +430,24 @@ class ShmkvCache(Cache):
         if k.dtype != dtype:
             k, v = k.to(dtype), v.to(dtype)
         return k, v
+
+    def _full_kv_quantized(self, layer: int, length: int, tab: torch.Tensor,
+                           dtype: torch.dtype):
+        """_full_kv of a quantized pool: codes times scales, through the zero-copy views."""
+        kv, cfg = self.kv, self._cfg
+        t = tab.numpy()
+        B, nb = t.shape
+        H, D = cfg.num_kv_heads, cfg.head_dim
+        out = []
+        for codes, scales in ((kv.key_cache(layer), kv.key_scales(layer)),
+                              (kv.value_cache(layer), kv.value_scales(layer))):
+            x = codes[t].reshape(B, -1, H, D)[:, :length].astype(np.float32)
+            if cfg.dtype == "int8":
+                x *= scales[t].reshape(B, -1, H)[:, :length, :, None]
+            else:
+                x *= scales[None, None, :, None]
+            out.append(torch.from_numpy(x).transpose(1, 2).to(dtype))
+        return out[0], out[1]
 
     # ---- beams, crop --------------------------------------------------------------------
     def _select(self, indices: Iterable[int]) -> None:

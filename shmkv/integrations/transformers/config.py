@@ -26,7 +26,8 @@ def config_for(model_config, *, num_blocks: int, block_size: int = 16, max_seqs:
     Reads ``num_hidden_layers``, ``num_key_value_heads`` (default: ``num_attention_heads``)
     and ``head_dim`` (default: ``hidden_size // num_attention_heads``) from the decoder's
     text config; ``dtype`` (a torch dtype or a shmkv dtype name) defaults to the model's
-    (``config.dtype``; float32 when unset).  Other keyword arguments go to ``CacheConfig``
+    (``config.dtype``; float32 when unset); ``"int8"`` or ``"float8_e4m3"`` give a
+    quantized pool, read and written in float32.  Other keyword arguments go to ``CacheConfig``
     (``max_seq_len``, ``hash``, ...).
     """
     cfg = model_config
@@ -38,7 +39,8 @@ def config_for(model_config, *, num_blocks: int, block_size: int = 16, max_seqs:
     if dtype is None:
         dtype = getattr(cfg, "dtype", None)
         name = _dtype_name(dtype)
-    elif isinstance(dtype, str) and dtype in ("float32", "float16", "bfloat16", "int8"):
+    elif isinstance(dtype, str) and dtype in ("float32", "float16", "bfloat16", "int8",
+                                              "float8_e4m3"):
         name = dtype
     else:
         name = _dtype_name(dtype)

@@ -1,0 +1,464 @@
+"""Quantized pools (issue 14): int8 with a float32 scale per token and kv head, float8
+e4m3fn with a float32 scale per layer and kv head.  Round-trip bounds, the codec against
+ml_dtypes, every write path, attention within the quantization's error of the float64
+reference on the unquantized data (every ISA), copy-on-write and prefix hits carrying the
+scales, bad input changing nothing, hostile scales never crashing."""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mp_workers import exact_quantized
+
+import shmkv
+from shmkv import _attention, _kvdata
+
+QDTYPES = ["int8", "float8_e4m3"]
+ISAS = [n for n in ("scalar", "avx2", "avx512")
+        if ("scalar", "avx2", "avx512").index(n) <= ("scalar", "avx2", "avx512").index(
+            _attention.cpu_isa())]
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = _attention.isa()
+    _attention._force_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        _attention._force_isa(before)
+
+
+@pytest.fixture(params=["scalar", "avx2"])
+def qisa(request):
+    """The quantizers' two paths (portable C, AVX2 + F16C), forced in turn."""
+    try:
+        _kvdata._force_quant_isa(request.param)
+    except ValueError:
+        pytest.skip("no AVX2 + F16C on this CPU")
+    try:
+        yield request.param
+    finally:
+        _kvdata._force_quant_isa(None)
+
+
+def kv(cfg, n, rng, spread=True):
+    """K/V with very different magnitudes per (token, head) row, like real activations
+    (outlier channels, heads of different scale)."""
+    shape = (cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim)
+    mag = np.exp(rng.uniform(-3, 3, shape[:-1] + (1,))) if spread else 1.0
+    k = (rng.standard_normal(shape) * mag).astype(np.float32)
+    v = (rng.standard_normal(shape) * mag).astype(np.float32)
+    return k, v
+
+
+def footprint(cache, sids):
+    """Everything a failed call must leave as it was."""
+    st = cache.stats()
+    data = [tuple(x.tobytes() for x in cache.gather(s, raw=True)) for s in sids
+            if cache.seq_len(s)]
+    return ([cache.seq_len(s) for s in sids], st["free_blocks"], st["allocations"], data,
+            [cache.key_cache(layer).tobytes() for layer in range(cache.config.num_layers)])
+
+
+# ---- configuration ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_config_round_trip_and_sizes(make_cache, dtype):
+    cache = make_cache(dtype=dtype)
+    cfg = cache.config
+    assert cfg.quantized and cfg.compute_dtype == np.float32 and cfg.itemsize == 1
+    assert cfg.numpy_dtype == (np.int8 if dtype == "int8" else E4M3)
+    per_head = cfg.head_dim + (4 if dtype == "int8" else 0)
+    assert cfg.bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+    with shmkv.KVCache.attach(cache.name) as other:
+        assert other.config == cfg
+    lay = shmkv._core.layout_of(cfg)
+    if dtype == "int8":
+        assert lay["scale_bytes"] == 4 * cfg.num_kv_heads and lay["off_kscale"] > lay["off_vpool"]
+        assert lay["off_hscale"] == 0
+    else:
+        assert lay["off_kscale"] == 0 and lay["off_hscale"] > lay["off_vpool"]
+    assert not shmkv.CacheConfig(num_layers=1, num_kv_heads=1, head_dim=4,
+                                 num_blocks=4).quantized
+
+
+# ---- round trips --------------------------------------------------------------------------
+def test_int8_round_trip_bound(make_cache, qisa):
+    """|x - deq(q(x))| <= s / 2 per element, s = max|x| / 127 of its (token, head) row;
+    gather == codes * scales; the raw view and the scale view hold the same."""
+    cache = make_cache(dtype="int8", head_dim=64)
+    cfg = cache.config
+    rng = np.random.default_rng(0)
+    k, v = kv(cfg, 37, rng)
+    k[0, 3, 1] = 0.0                                  # a row of zeros: scale 0, exact
+    sid = cache.create_sequence()
+    cache.append(sid, k[:, :20], v[:, :20])
+    cache.append(sid, k[:, 20:], v[:, 20:])
+    gk, gv = cache.gather(sid)
+    assert gk.dtype == np.float32
+    for x, g in ((k, gk), (v, gv)):
+        s = np.abs(x).max(-1, keepdims=True) / 127
+        assert (np.abs(x - g) <= s / 2 * (1 + 1e-5) + 1e-30).all()
+    assert (gk[0, 3, 1] == 0).all()
+    qk, qv, sk, sv = cache.gather(sid, raw=True)
+    assert qk.dtype == np.int8 and sk.dtype == np.float32 and sk.shape == k.shape[:-1]
+    assert np.array_equal(qk.astype(np.float32) * sk[..., None], gk)
+    assert np.abs(qk).max() == 127
+    table = cache.block_table(sid)
+    bs = cfg.block_size
+    for layer in range(cfg.num_layers):
+        codes = cache.key_cache(layer)[table].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:37]
+        scales = cache.key_scales(layer)[table].reshape(-1, cfg.num_kv_heads)[:37]
+        assert np.array_equal(codes, qk[layer]) and np.array_equal(scales, sk[layer])
+        assert np.shares_memory(cache.key_scales(layer), cache.key_scales(layer))
+    assert cache.value_scales(0).shape == (cfg.num_blocks, bs, cfg.num_kv_heads)
+    assert cache.check() == []
+
+
+def test_e4m3_codec_matches_ml_dtypes(make_cache, qisa):
+    """Codes equal ml_dtypes' float8_e4m3fn cast (round to nearest even) over the whole
+    range, subnormals and ties included; beyond +-448 they saturate."""
+    cache = make_cache(dtype="float8_e4m3", num_layers=1, num_kv_heads=1, head_dim=16,
+                       num_blocks=2048, block_size=16)
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    vals = codes.view(E4M3).astype(np.float32)
+    mids = (vals[:-1].astype(np.float64) + vals[1:]) / 2      # ties (within a sign)
+    rng = np.random.default_rng(3)
+    x = np.concatenate([vals, mids.astype(np.float32), rng.uniform(-448, 448, 4000),
+                        rng.standard_normal(4000) * 1e-2, [447.9, -447.99, 1e-9, -0.0]])
+    x = x[np.abs(x) < 448].astype(np.float32)
+    x = np.concatenate([x, np.zeros((-len(x)) % 16, np.float32)])
+    sid = cache.create_sequence()
+    n = len(x) // 16
+    cache.append(sid, x.reshape(1, n, 1, 16), x.reshape(1, n, 1, 16))
+    qk = cache.gather(sid, raw=True)[0].reshape(-1)
+    want = x.astype(E4M3)
+    assert np.array_equal(qk.view(np.uint8), want.view(np.uint8))
+    # saturation
+    s2 = cache.create_sequence()
+    big = np.array([448, 449, 464, 500, 1e6, 3e38, -449, -1e9] * 2, np.float32)
+    cache.append(s2, big.reshape(1, 1, 1, 16), big.reshape(1, 1, 1, 16))
+    assert np.array_equal(cache.gather(s2)[0].reshape(-1), np.clip(big, -448, 448))
+
+
+def test_e4m3_round_trip_bound_with_scales(make_cache, qisa):
+    """relative error <= 2^-4 where |x / s| >= 2^-6, absolute <= s 2^-10 below; the per-
+    (layer, head) scales of set_kv_scales divide on the way in, multiply on the way out."""
+    cache = make_cache(dtype="float8_e4m3", head_dim=32)
+    cfg = cache.config
+    assert [a.tolist() for a in cache.kv_scales(0)] == [[1.0, 1.0], [1.0, 1.0]]
+    ks = np.array([0.5, 4.0])
+    cache.set_kv_scales(0, ks, 0.25)
+    cache.set_kv_scales(1, 2.0, [1.0, 8.0])
+    scales = np.array([[[0.5, 4.0], [0.25, 0.25]], [[2.0, 2.0], [1.0, 8.0]]])  # [L][k/v][h]
+    assert np.array_equal(cache.key_scales(0), [0.5, 4.0])
+    with shmkv.KVCache.attach(cache.name) as other:        # in the segment: every process
+        assert np.array_equal(other.kv_scales(1)[1], [1.0, 8.0])
+    rng = np.random.default_rng(1)
+    k, v = kv(cfg, 40, rng)
+    sid = cache.create_sequence()
+    cache.append(sid, k, v)
+    gk, gv = cache.gather(sid)
+    for i, (x, g) in enumerate(((k, gk), (v, gv))):
+        s = scales[:, i][:, None, :, None]                   # [L, 1, heads, 1]
+        y = np.clip(x / s, -448, 448) * s
+        normal = np.abs(x / s) >= 2.0 ** -6
+        err = np.abs(g - y)
+        assert (err[normal] <= np.abs(y[normal]) * 2.0 ** -4 + 1e-30).all()
+        assert (err[~normal] <= (s * 2.0 ** -10 * np.ones_like(x))[~normal] * 1.0001).all()
+    _, _, rks, rvs = cache.gather(sid, raw=True)
+    assert np.array_equal(rks, scales[:, 0]) and np.array_equal(rvs, scales[:, 1])
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("src", ["float32", "float16", "bfloat16"])
+def test_write_paths_agree(make_cache, qisa, dtype, src):
+    """append, reserve + write (one layer at a time) and float16/bfloat16 input give the
+    same codes and scales as float32 append of the same values."""
+    cache = make_cache(dtype=dtype)
+    cfg = cache.config
+    rng = np.random.default_rng(2)
+    k, v = kv(cfg, 9, rng)
+    dt = np.dtype(ml_dtypes.bfloat16) if src == "bfloat16" else np.dtype(src)
+    k, v = k.astype(dt), v.astype(dt)
+    a = cache.create_sequence()
+    cache.append(a, k, v)
+    b = cache.create_sequence()
+    slots = cache.reserve(b, 9)
+    for layer in range(cfg.num_layers):
+        cache.write(layer, slots, k[layer], v[layer])
+    c = cache.create_sequence()
+    cache.append(c, k.astype(np.float32), v.astype(np.float32))
+    ra, rb, rc = (cache.gather(s, raw=True) for s in (a, b, c))
+    for x, y, z in zip(ra, rb, rc):
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
+        assert np.array_equal(x.view(np.uint8), z.view(np.uint8))
+    assert cache.check() == []
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_gather_out_and_buffers(make_cache, dtype):
+    cache = make_cache(dtype=dtype)
+    cfg = cache.config
+    k, v = exact_quantized(cfg, np.random.default_rng(4), (2, 7, 2, 8)), None
+    v = -k
+    sid = cache.create_sequence()
+    cache.append(sid, k, v)
+    ko, vo = cache.gather_buffers(5)
+    assert ko.dtype == np.float32
+    res = cache.gather(sid, 1, 6, out=(ko, vo))
+    assert res[0] is ko and np.array_equal(ko, k[:, 1:6]) and np.array_equal(vo, v[:, 1:6])
+    with pytest.raises(TypeError, match="float32"):
+        cache.gather(sid, out=(np.empty(k.shape, cfg.numpy_dtype),) * 2)
+    with pytest.raises(TypeError):
+        cache.gather(sid, out=(ko, vo), raw=True)
+
+
+# ---- sharing carries the scales ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_cow_fork_keeps_the_parents_scales(make_cache, dtype):
+    cache = make_cache(dtype=dtype, block_size=4)
+    cfg = cache.config
+    rng = np.random.default_rng(5)
+    k, v = kv(cfg, 6, rng)                      # a shared partial block (2 of 4 tokens)
+    parent = cache.create_sequence()
+    cache.append(parent, k, v)
+    before = cache.gather(parent, raw=True)
+    child = cache.fork(parent)
+    k2, v2 = kv(cfg, 3, rng)
+    if dtype == "int8":
+        k2 *= 100.0                             # very different scales in the same block
+    cache.append(child, k2, v2)
+    assert cache.stats()["cow_copies"] >= 1
+    after = cache.gather(parent, raw=True)
+    for x, y in zip(before, after):
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
+    ck = cache.gather(child, raw=True)
+    for x, y in zip(before, ck):
+        if x.ndim == 4 or dtype == "int8":
+            assert np.array_equal(x[:, :6].view(np.uint8), y[:, :6].view(np.uint8))
+    gk = cache.gather(child)[0]
+    assert np.allclose(gk[:, 6:], k2, rtol=0.07, atol=np.abs(k2).max() * 0.01)
+    # and the parent appends after the fork: the child is untouched
+    cache.append(parent, *kv(cfg, 2, rng))
+    assert np.array_equal(cache.gather(child)[0], gk)
+    assert cache.check() == []
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_prefix_hit_on_quantized_blocks_returns_equal_data(make_cache, dtype):
+    cache = make_cache(dtype=dtype, block_size=4)
+    cfg = cache.config
+    rng = np.random.default_rng(6)
+    k, v = kv(cfg, 10, rng)
+    ids = list(range(100, 110))
+    a = cache.create_sequence()
+    cache.append(a, k, v, tokens=ids)
+    b = cache.create_sequence(tokens=ids)       # hits the 2 full blocks
+    hit = cache.seq_len(b)
+    assert hit == 8
+    ga, gb = cache.gather(a, 0, hit), cache.gather(b)
+    assert np.array_equal(ga[0], gb[0]) and np.array_equal(ga[1], gb[1])
+    cache.free(a)                               # the blocks (and their scales) stay cached
+    c = cache.create_sequence(tokens=ids)
+    assert np.array_equal(cache.gather(c)[0], ga[0])
+    assert cache.check() == []
+
+
+# ---- attention ---------------------------------------------------------------------------
+def reference(q, k, v, scale):
+    """float64 softmax(q k^T scale) v; q [hq, d], k/v [n, hkv, d]."""
+    hq = q.shape[0]
+    g = hq // k.shape[1]
+    out = np.empty(q.shape)
+    for h in range(hq):
+        s = k[:, h // g].astype(np.float64) @ q[h].astype(np.float64) * scale
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ v[:, h // g].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [("int8", 0.03), ("float8_e4m3", 0.1)])
+def test_attention_within_quantization_error_of_the_true_reference(make_cache, isa, dtype,
+                                                                    tol):
+    """Against the float64 reference on the *unquantized* K/V: the error is the
+    quantization's (relative to the output's scale); against gather's dequantized K/V
+    it is fp32 rounding only (the kernel dequantizes in registers exactly as gather)."""
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=256,
+                       block_size=16, dtype=dtype)
+    cfg = cache.config
+    rng = np.random.default_rng(7)
+    lengths = [1, 15, 64, 700]
+    sids, data = [], []
+    for n in lengths:
+        s = cache.create_sequence()
+        k, v = kv(cfg, n, rng, spread=False)
+        cache.append(s, k, v)
+        sids.append(s)
+        data.append((k[0], v[0]))
+    q = rng.standard_normal((len(sids), 8, 64)).astype(np.float32) * 2
+    out = cache.attention(0, q, sids)
+    for i, (s, (k, v)) in enumerate(zip(sids, data)):
+        want = reference(q[i], k, v, 1 / math.sqrt(64))
+        err = np.abs(out[i] - want).max()
+        assert err <= tol * np.abs(want).max() + 1e-6, (lengths[i], err)
+        gk, gv = cache.gather(s)
+        exact = reference(q[i], gk[0], gv[0], 1 / math.sqrt(64))
+        assert np.abs(out[i] - exact).max() <= 2e-5 * max(1.0, np.abs(exact).max())
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_attention_prefill_and_gqa(make_cache, isa, dtype):
+    cache = make_cache(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=128,
+                       block_size=16, dtype=dtype)
+    cfg = cache.config
+    rng = np.random.default_rng(8)
+    s = cache.create_sequence()
+    k, v = kv(cfg, 90, rng)
+    cache.append(s, k, v)
+    q = rng.standard_normal((30, 8, 32)).astype(np.float16)
+    out = cache.attention(1, q, [s], q_lens=[30])
+    gk, gv = cache.gather(s)
+    for r in range(30):
+        pos = 90 - 30 + r
+        want = reference(q[r], gk[1, :pos + 1], gv[1, :pos + 1], 1 / math.sqrt(32))
+        assert np.abs(out[r] - want).max() <= 2e-5 * max(1.0, np.abs(want).max())
+
+
+# ---- bad input changes nothing -------------------------------------------------------------
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_raises_before_anything_is_written(make_cache, qisa, dtype, bad):
+    cache = make_cache(dtype=dtype)
+    cfg = cache.config
+    rng = np.random.default_rng(9)
+    sid = cache.create_sequence()
+    cache.append(sid, *kv(cfg, 3, rng))
+    child = cache.fork(sid)                      # the next append would copy-on-write
+    before = footprint(cache, [sid, child])
+    k, v = kv(cfg, 5, rng)
+    k[1, 4, 1, 7] = bad
+    with pytest.raises(ValueError, match="finite"):
+        cache.append(child, k, v)
+    with pytest.raises(ValueError, match="finite"):
+        cache.append(sid, v, k)
+    v16 = v.astype(np.float16)
+    v16[0, 0, 0, 0] = bad
+    with pytest.raises(ValueError, match="finite"):
+        cache.append(sid, np.zeros_like(k), v16)
+    slots = cache.reserve(sid, 2)
+    before = footprint(cache, [sid, child])
+    with pytest.raises(ValueError, match="finite"):
+        cache.write(1, slots, k[1, :2], v[1, :2] * bad)
+    assert footprint(cache, [sid, child]) == before
+    assert cache.check() == []
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_wrong_dtypes_and_shapes(make_cache, dtype):
+    cache = make_cache(dtype=dtype)
+    cfg = cache.config
+    sid = cache.create_sequence()
+    cache.append(sid, *kv(cfg, 2, np.random.default_rng(10)))
+    before = footprint(cache, [sid])
+    shape = (cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim)
+    for wrong in (np.int8, np.uint8, np.int32, np.float64, cfg.numpy_dtype):
+        a = np.zeros(shape, wrong)
+        with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+            cache.append(sid, a, a)
+        with pytest.raises(TypeError):
+            cache.write(0, np.array([0]), a[0], a[0])
+    with pytest.raises(ValueError):
+        cache.append(sid, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.float32))
+    a = np.zeros(shape, np.float32)
+    with pytest.raises(ValueError):
+        cache.append(sid, a, a[:, :, :1])
+    with pytest.raises(IndexError):
+        cache.write(0, np.array([cfg.num_blocks * cfg.block_size]), a[0], a[0])
+    assert footprint(cache, [sid]) == before
+    assert cache.check() == []
+
+
+def test_quant_paths_agree(make_cache):
+    """The portable and the AVX2 quantizers give the same codes and scales, float16 input
+    included, for both dtypes."""
+    rng = np.random.default_rng(12)
+    for dtype in QDTYPES:
+        cache = make_cache(dtype=dtype, head_dim=64)
+        k, v = kv(cache.config, 11, rng)
+        k[0, :, 0, :5] = [1e-9, -3e-3, 7e-3, 500.0, -6e4]     # subnormal, saturating codes
+        got = []
+        for path in ("scalar", "avx2"):
+            try:
+                _kvdata._force_quant_isa(path)
+            except ValueError:
+                pytest.skip("no AVX2 + F16C on this CPU")
+            for x in (k, k.astype(np.float16)):
+                sid = cache.create_sequence()
+                cache.append(sid, x, v)
+                got.append([a.view(np.uint8).tobytes() for a in cache.gather(sid, raw=True)])
+        _kvdata._force_quant_isa(None)
+        assert got[0] == got[2] and got[1] == got[3]
+
+
+def test_scale_calls_on_the_wrong_pool(make_cache):
+    f16 = make_cache()
+    with pytest.raises(TypeError):
+        f16.key_scales(0)
+    with pytest.raises(TypeError):
+        f16.set_kv_scales(0, 1.0, 1.0)
+    sid = f16.create_sequence()
+    f16.append(sid, *[x.astype(np.float16) for x in kv(f16.config, 1, np.random.default_rng(0))])
+    with pytest.raises(TypeError):
+        f16.gather(sid, raw=True)
+    i8 = make_cache(dtype="int8")
+    with pytest.raises(TypeError, match="per token"):
+        i8.set_kv_scales(0, 1.0, 1.0)
+    fp8 = make_cache(dtype="float8_e4m3")
+    for bad in (0.0, -1.0, np.nan, np.inf, 1e39, [1.0], [[1.0, 1.0]]):
+        with pytest.raises(ValueError):
+            fp8.set_kv_scales(0, bad, 1.0)
+        with pytest.raises(ValueError):
+            fp8.set_kv_scales(1, 1.0, bad)
+    with pytest.raises(IndexError):
+        fp8.set_kv_scales(2, 1.0, 1.0)
+    assert [a.tolist() for a in fp8.kv_scales(1)] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+# ---- a hostile segment ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_nan_inf_huge_scales_never_crash(make_cache, isa, dtype):
+    cache = make_cache(dtype=dtype, head_dim=16)
+    cfg = cache.config
+    rng = np.random.default_rng(11)
+    sid = cache.create_sequence()
+    cache.append(sid, *kv(cfg, 13, rng))
+    for layer in range(cfg.num_layers):
+        ks, vs = cache.key_scales(layer), cache.value_scales(layer)
+        flat_k, flat_v = ks.reshape(-1), vs.reshape(-1)
+        vals = np.array([np.nan, np.inf, -np.inf, 3.4e38, -1.0, 1e-45, 0.0], np.float32)
+        flat_k[rng.integers(0, flat_k.size, 5)] = rng.choice(vals, 5)
+        flat_v[rng.integers(0, flat_v.size, 5)] = rng.choice(vals, 5)
+        cache.key_cache(layer)[...] = rng.integers(0, 256, cache.key_cache(layer).shape,
+                                                   dtype=np.uint8).view(cfg.numpy_dtype)
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    for layer in range(cfg.num_layers):
+        out = cache.attention(layer, q, [sid])
+        assert out.shape == q.shape                  # NaN allowed; a crash is not
+        cache.attention(layer, np.repeat(q, 13, 0), [sid], q_lens=[13])
+    cache.gather(sid)
+    cache.gather(sid, raw=True)
+    cache.append(sid, *kv(cfg, 2, rng))              # new writes are fine
+    assert cache.check() == []
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_remote_tier_refuses_quantized_pools(make_cache, dtype):
+    """The tier's values carry codes without scales (not yet supported): set_tier on a
+    quantized pool is a TypeError and changes nothing."""
+    cache = make_cache(dtype=dtype)
+    with pytest.raises(TypeError, match="tier"):
+        cache.set_tier(object())
+    assert cache.flush_tier() == 0
