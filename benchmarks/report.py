@@ -506,26 +506,30 @@ def draw_chart(results, path):
     plt.close(fig)
 
 
-def prefix_section(here=None):
-    """The prefix-cache benchmark's table (benchmarks/prefix_bench.py writes
-    RESULTS_prefix.md), appended to RESULTS.md so one file holds every result."""
-    here = here or os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "RESULTS_prefix.md")
+# Results files of the other benchmark scripts, appended to RESULTS.md in this order so
+# that one file holds every result: (file, markers or None).  prefix_bench.py,
+# transformers_bench.py, quant_bench.py/quant_accuracy.py and tier_bench.py write their
+# own file; attention_bench.py also splices its section into RESULTS.md between markers.
+SECTIONS = (("RESULTS_prefix.md", None),
+            ("RESULTS_attention.md", "attention-bench"),
+            ("RESULTS_quant.md", "quant-bench"),
+            ("RESULTS_transformers.md", "transformers-bench"),
+            ("RESULTS_tier.md", "tier-bench"))
+
+
+def _section(fname, mark, here):
+    path = os.path.join(here, fname)
     if not os.path.exists(path):
         return ""
     with open(path) as f:
         body = f.read().strip()
-    lines = [("#" + ln) if ln.startswith("#") else ln for ln in body.splitlines()]
-    return "\n\n" + "\n".join(lines) + "\n"
+    if mark is None:          # a file of its own level-1 title: one level down
+        lines = [("#" + ln) if ln.startswith("#") else ln for ln in body.splitlines()]
+        return "\n\n" + "\n".join(lines) + "\n"
+    return f"\n\n<!-- {mark} -->\n{body}\n<!-- /{mark} -->\n"
 
 
-def attention_section(here=None):
-    """The attention benchmark's section (benchmarks/attention_bench.py writes
-    RESULTS_attention.md), appended to RESULTS.md between the markers it splices at."""
+def extra_sections(here=None):
+    """Every other benchmark's section (SECTIONS), for the end of RESULTS.md."""
     here = here or os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "RESULTS_attention.md")
-    if not os.path.exists(path):
-        return ""
-    with open(path) as f:
-        body = f.read().strip()
-    return f"\n\n<!-- attention-bench -->\n{body}\n<!-- /attention-bench -->\n"
+    return "".join(_section(f, m, here) for f, m in SECTIONS)

@@ -592,8 +592,7 @@ def main(argv=None):
         report.draw_chart(results, chart_path)
         with open(md_path, "w") as f:
             f.write(report.markdown(results, chart_rel=os.path.relpath(
-                chart_path, os.path.dirname(md_path))) + report.prefix_section()
-                    + report.attention_section())
+                chart_path, os.path.dirname(md_path))) + report.extra_sections())
         print(report.targets_text(results))
         return 0
 
@@ -674,7 +673,7 @@ def main(argv=None):
     chart_path = os.path.join(args.out, "chart.png")
     report.draw_chart(results, chart_path)
     md = report.markdown(results, chart_rel=os.path.relpath(chart_path, os.path.dirname(md_path)))
-    md += report.prefix_section() + report.attention_section()
+    md += report.extra_sections()
     with open(md_path, "w") as f:
         f.write(md)
     progress.step(f"wrote {json_path}, {md_path}, {chart_path}")

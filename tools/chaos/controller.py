@@ -262,6 +262,8 @@ class Controller(Audits, EventAudits, Report):
                 what = OPS[cur % POOL_OP - 1] + (" (pool)" if cur >= POOL_OP else "")
             d = self.cp_ops[w["crash"]]
             d[what] = d.get(what, 0) + 1
+            if w["crash"] == "event_mid":
+                self._event_live_check()
         elif code == -signal.SIGKILL and w["killed"]:
             if w["crash"]:
                 self.armed_survived += 1

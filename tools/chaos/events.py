@@ -107,3 +107,41 @@ class EventAudits:
                     self.cfail("bad_event", f"audit: event {ev.seq} stored block {blk}, "
                                             f"still findable, with ids {ev.token_ids[:6]}.. "
                                             f"but the block holds {toks[blk][:6].tolist()}..")
+
+    def _event_live_check(self):
+        """Right after a worker died at event_mid, with the others running: the latest
+        "stored" event of every still-findable block must carry the ids the block holds.
+        A record whose seq became visible before its token ids were written (the planted
+        torn_event) is caught here, before the block is reused and the final audit can no
+        longer tell.  Race-free against live writers: a block that any event touched
+        between the first read and the last is skipped (a reuse writes its "removed"
+        before it drops the hash or rewrites the ids)."""
+        c, cfg = self.cache, self.cfg
+        if not cfg.event_capacity:
+            return
+        head0 = c.events(2**62).next_seq
+        latest = {}
+        for ev in c.events(max(0, head0 - cfg.event_capacity)).events:
+            if ev.seq >= head0:
+                break
+            if ev.kind == "cleared":
+                latest.clear()
+            else:
+                latest[ev.block_id] = ev if ev.kind == "stored" else None
+        hashed = np.asarray(_core.snapshot(self.name, tables=False)["block_flags"]) & 1
+        toks = token_table(self.name, cfg)
+        later = c.events(head0)
+        if later.lost:
+            return                          # the ring wrapped meanwhile: nothing is sure
+        moved = {ev.block_id for ev in later.events}
+        if any(ev.kind == "cleared" for ev in later.events):
+            return
+        for blk, ev in latest.items():
+            if ev is None or blk in moved or not 0 <= blk < cfg.num_blocks or not hashed[blk]:
+                continue
+            if toks[blk].tolist() != ev.token_ids:
+                self.cfail("bad_event", f"after a death at event_mid: event {ev.seq} stored "
+                                        f"block {blk}, still findable, with ids "
+                                        f"{ev.token_ids[:6]}.. but the block holds "
+                                        f"{toks[blk][:6].tolist()}..")
+                return
