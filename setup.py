@@ -2,7 +2,7 @@
 
 One extension per Cython module.  ``shmkv._core`` is the handle's base (mapping,
 attachment, Segment, the status translator, the crash-point switches, a C API in
-``_core.pxd``); ``_inspect``, ``_prefix``, ``_sequences`` and ``_kvdata`` are the links of
+``_core.pxd``); ``_inspect``, ``_prefix``, ``_sequences``, ``_quant`` and ``_kvdata`` are the links of
 the method chain that ``KVCache`` ends, each a ``cdef class`` subclassing the one below
 it across modules (declared in its ``.pxd``).  Each of them compiles the static C kernels
 of ``kernels/*.h`` (through ``_core.pxd``) and binds their debug switches to ``_core``'s
@@ -41,7 +41,8 @@ PXD = ["shmkv/_layout.pxd", "shmkv/_core.pxd"]
 # the handle's base first, then the method chain bottom-up (each .pxd cimports the one below)
 CHAIN = [("_core", []), ("_inspect", ["_inspect"]), ("_prefix", ["_inspect", "_prefix"]),
          ("_sequences", ["_inspect", "_prefix", "_sequences"]),
-         ("_kvdata", ["_inspect", "_prefix", "_sequences"]),
+         ("_quant", ["_inspect", "_prefix", "_sequences", "_quant"]),
+         ("_kvdata", ["_inspect", "_prefix", "_sequences", "_quant"]),
          ("_events", [])]       # the KV event ring's reader (not a link of the chain)
 
 

@@ -5,16 +5,15 @@ import numpy as np
 import numpy.typing as npt
 
 from ._core import Segment
-from ._sequences import SequenceOps
+from ._quant import QuantOps
 
 _Sid = Union[int, np.integer[Any]]
 _Pair = tuple[npt.NDArray[Any], npt.NDArray[Any]]
 # gather(raw=True) of a quantized pool: codes, codes, float32 scales, float32 scales
 _Raw = tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[np.float32],
              npt.NDArray[np.float32]]
-_Scales = Union[float, npt.ArrayLike]
 
-class DataOps(SequenceOps):
+class DataOps(QuantOps):
     def append(self, sid: _Sid, k: npt.NDArray[Any], v: npt.NDArray[Any],
                tokens: npt.ArrayLike | None = None) -> None: ...
     def reserve(self, sid: _Sid, n: int,
@@ -23,11 +22,6 @@ class DataOps(SequenceOps):
               v: npt.NDArray[Any]) -> None: ...
     def key_cache(self, layer: int) -> npt.NDArray[Any]: ...
     def value_cache(self, layer: int) -> npt.NDArray[Any]: ...
-    def key_scales(self, layer: int) -> npt.NDArray[np.float32]: ...
-    def value_scales(self, layer: int) -> npt.NDArray[np.float32]: ...
-    def set_kv_scales(self, layer: int, k_scale: _Scales, v_scale: _Scales) -> None: ...
-    def kv_scales(self, layer: int) -> tuple[npt.NDArray[np.float32],
-                                             npt.NDArray[np.float32]]: ...
     @overload
     def gather(self, sid: _Sid, start: int | None = None, stop: int | None = None, *,
                out: _Pair | None = None, raw: Literal[False] = False) -> _Pair: ...

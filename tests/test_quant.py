@@ -11,7 +11,7 @@ import pytest
 from mp_workers import exact_quantized
 
 import shmkv
-from shmkv import _attention, _kvdata
+from shmkv import _attention, _quant
 
 QDTYPES = ["int8", "float8_e4m3"]
 ISAS = [n for n in ("scalar", "avx2", "avx512")
@@ -34,13 +34,13 @@ def isa(request):
 def qisa(request):
     """The quantizers' two paths (portable C, AVX2 + F16C), forced in turn."""
     try:
-        _kvdata._force_quant_isa(request.param)
+        _quant._force_quant_isa(request.param)
     except ValueError:
         pytest.skip("no AVX2 + F16C on this CPU")
     try:
         yield request.param
     finally:
-        _kvdata._force_quant_isa(None)
+        _quant._force_quant_isa(None)
 
 
 def kv(cfg, n, rng, spread=True):
@@ -392,14 +392,14 @@ def test_quant_paths_agree(make_cache):
         got = []
         for path in ("scalar", "avx2"):
             try:
-                _kvdata._force_quant_isa(path)
+                _quant._force_quant_isa(path)
             except ValueError:
                 pytest.skip("no AVX2 + F16C on this CPU")
             for x in (k, k.astype(np.float16)):
                 sid = cache.create_sequence()
                 cache.append(sid, x, v)
                 got.append([a.view(np.uint8).tobytes() for a in cache.gather(sid, raw=True)])
-        _kvdata._force_quant_isa(None)
+        _quant._force_quant_isa(None)
         assert got[0] == got[2] and got[1] == got[3]
 
 

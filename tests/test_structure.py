@@ -73,7 +73,7 @@ def test_planted_bug_reaches_sibling(cache):
 def test_method_chain():
     """One class chain, so a method call is one Python -> C transition."""
     chain = [c.__module__ + "." + c.__qualname__ for c in shmkv.KVCache.__mro__]
-    assert chain == ["shmkv.cache.KVCache", "shmkv._kvdata.DataOps",
+    assert chain == ["shmkv.cache.KVCache", "shmkv._kvdata.DataOps", "shmkv._quant.QuantOps",
                      "shmkv._sequences.SequenceOps", "shmkv._prefix.PrefixOps",
                      "shmkv._inspect.InspectOps", "shmkv._core.Segment", "builtins.object"]
     assert "reserve" not in shmkv.KVCache.__dict__        # inherited as is
