@@ -520,6 +520,8 @@ class _Binding:
                         stop = "pool_full"
                         break
                     except ValueError:
+                        if not lay.quantized:         # (a bug, not a value: counted error)
+                            raise
                         stop = "nonfinite"
                         break
                     self._mark(keys[j])
