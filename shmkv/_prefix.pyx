@@ -434,13 +434,9 @@ cdef class PrefixOps(InspectOps):
     def set_tier(self, tier):
         """Write published blocks through to ``tier`` and extend prefix hits from it
         (``shmkv.RedisTier``); ``None`` turns it off (queued writes are flushed first,
-        for at most the tier's ``close_timeout``).  Per handle, per process."""
-        if tier is not None and shmkv_dtype_quantized(ctx_of(self).cfg.dtype):
-            # (issue 14) the tier's values carry codes without their scales: refused
-            # until its codec stores an int8 pool's scale rows and a float8 pool's table
-            raise TypeError(f"set_tier: a {self.config.dtype} pool cannot use the remote "
-                            f"tier yet (its values do not carry scales); float16, bfloat16 "
-                            f"and float32 pools can")
+        for at most the tier's ``close_timeout``).  Per handle, per process.  Quantized
+        pools too: an int8 block's values carry its scale rows, a float8 pool's scale
+        table is part of the layout (hosts whose tables differ do not share blocks)."""
         old = self._tier
         binding = None if tier is None else tier._bind(self)
         self._tier = binding

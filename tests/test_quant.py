@@ -454,11 +454,93 @@ def test_nan_inf_huge_scales_never_crash(make_cache, isa, dtype):
     assert cache.check() == []
 
 
-@pytest.mark.parametrize("dtype", QDTYPES)
-def test_remote_tier_refuses_quantized_pools(make_cache, dtype):
-    """The tier's values carry codes without scales (not yet supported): set_tier on a
-    quantized pool is a TypeError and changes nothing."""
-    cache = make_cache(dtype=dtype)
-    with pytest.raises(TypeError, match="tier"):
-        cache.set_tier(object())
-    assert cache.flush_tier() == 0
+def _requantized(cache, kq, vq, ks, vs):
+    """Appends code * scale (float32, as the remote tier lands a value) to a new
+    sequence; returns its gather(raw=True)."""
+    sid = cache.create_sequence()
+    with np.errstate(over="ignore", invalid="ignore"):
+        if cache.config.dtype == "int8":
+            k, v = kq.astype(np.float32) * ks[..., None], vq.astype(np.float32) * vs[..., None]
+        else:
+            k = kq.astype(np.float32) * ks[:, None, :, None]
+            v = vq.astype(np.float32) * vs[:, None, :, None]
+    cache.append(sid, k, v)
+    return sid, cache.gather(sid, raw=True)
+
+
+def _same_bits(a, b):
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_int8_dequantized_values_requantize_to_the_same_codes_and_scales(make_cache, qisa):
+    """What the remote tier relies on to land an int8 block by append: code * scale
+    quantizes back to exactly the codes and scales (the max element is +-127, and for
+    every float32 amax, fl(fl(127 * s) / 127) == s with s = fl(amax / 127)): spread
+    rows, all-zero rows, -0.0, tiny rows (denormal scales) and huge ones.  (Below
+    amax ~ 9e-44 the scale rounds to 0: the codes there are whatever 127/amax = inf made
+    of them, the values all 0, and they land as codes 0, scale 0: the same values.)
+    Values a host never writes (NaN, inf, overflowing scales) are refused whole."""
+    m = np.arange(1 << 23, dtype=np.uint32)
+    for e in (1, 100, 127, 200, 254):                  # every mantissa, a few exponents
+        amax = ((np.uint32(e) << 23) | m).view(np.float32)
+        s = amax / np.float32(127)
+        with np.errstate(over="ignore"):
+            top = np.float32(127) * s
+        # (amax within a few ulps of FLT_MAX: 127 * s is inf, append refuses it: a miss)
+        assert np.array_equal((top / np.float32(127))[np.isfinite(top)],
+                              s[np.isfinite(top)])
+        assert np.isfinite(top).all() or e == 254
+    cache = make_cache(dtype="int8", head_dim=32, block_size=8)
+    rng = np.random.default_rng(11)
+    k, v = kv(cache.config, 24, rng)
+    for i, mag in enumerate([0.0, 1e-38, 1e-40, 1e-42, 1e36, 2.6e36, 1e-30]):
+        k[i % 2, i, i % 2] *= mag / max(float(np.abs(k[i % 2, i, i % 2]).max()), 1e-30)
+        v[i % 2, 23 - i, 1] = mag * rng.standard_normal(32)
+    k[1, 20, 0] = -0.0
+    v[0, 21, 0, :] = 0
+    v[0, 21, 0, 5] = 3.0
+    sid = cache.create_sequence()
+    cache.append(sid, k, v)
+    raw = cache.gather(sid, raw=True)
+    assert (raw[2] == 0).any() and (raw[3] == 0).any() and (raw[2] < 1.2e-38).any()
+    s2, back = _requantized(cache, *raw)
+    for a, b in zip(raw, back):
+        assert _same_bits(a, b)
+    # scales a value could carry but no host writes: NaN / inf / overflowing ones are
+    # refused whole (the tier counts a miss); others land as finite data
+    for bad in (np.nan, np.inf, -np.inf, 3.0e38):
+        ks = raw[2].copy()
+        ks[0, 3, 1] = bad
+        with pytest.raises(ValueError):
+            _requantized(cache, raw[0], raw[1], ks, raw[3])
+    for odd in (1e-45, 1e-40, -1.0):
+        ks = raw[2].copy()
+        ks[0, 3, 1] = odd
+        s3, back = _requantized(cache, raw[0], raw[1], ks, raw[3])
+        assert np.isfinite(cache.gather(s3)[0]).all()
+    assert cache.check() == []
+
+
+def test_e4m3_dequantized_codes_requantize_to_the_same_codes(make_cache, qisa):
+    """Every finite e4m3 code times its head's scale quantizes back to that code, for
+    scale tables of very different magnitudes; a NaN code is refused whole."""
+    cache = make_cache(dtype="float8_e4m3", num_layers=2, num_kv_heads=2, head_dim=16,
+                       block_size=8, num_blocks=32)
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]                       # 254 finite codes
+    n = 16                                                       # 2 * 16 * 2 * 16 slots
+    flat = np.resize(codes, 2 * n * 2 * 16)
+    kq = flat.reshape(2, n, 2, 16).view(E4M3)
+    vq = np.roll(flat, 77).reshape(2, n, 2, 16).view(E4M3)
+    for layer, (ksc, vsc) in enumerate([([1.0, 0.37], [3.1, 1e-3]), ([57.0, 2.0 ** -7],
+                                                                      [0.0123, 250.0])]):
+        cache.set_kv_scales(layer, ksc, vsc)
+    tables = [np.array([cache.kv_scales(i)[j] for i in range(2)]) for j in (0, 1)]
+    sid, back = _requantized(cache, kq, vq, *tables)
+    assert _same_bits(back[0], kq) and _same_bits(back[1], vq)
+    bad = kq.copy()
+    bad.view(np.uint8)[1, 3, 0, 2] = 0x7F
+    with pytest.raises(ValueError):
+        _requantized(cache, bad, vq, *tables)
+    assert cache.check() == []

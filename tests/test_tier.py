@@ -516,3 +516,102 @@ def test_a_corrupt_value_while_the_next_window_is_in_flight(hosts, cluster):
     assert b.match_prefix(toks2) == 72
     b.free(sb)
     assert b.check() == []
+
+
+def _tables(cache, k_scale, v_scale):
+    for layer in range(cache.config.num_layers):
+        cache.set_kv_scales(layer, np.asarray(k_scale) * (layer + 1), v_scale)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3"])
+def test_quantized_blocks_land_on_b_with_the_codes_and_scales_a_has(hosts, cluster, dtype):
+    """An int8 value carries every layer's K and V scale rows, a float8 pool's scale
+    table is in the layout: host B lands exactly A's codes and scales."""
+    a, b = hosts(dtype=dtype), hosts(dtype=dtype)
+    a.set_tier(tier(cluster))
+    tb = tier(cluster)
+    b.set_tier(tb)
+    if dtype == "float8_e4m3":           # after set_tier: the keys follow the table
+        for c in (a, b):
+            _tables(c, [0.37, 2.5], [1.5, 0.011])
+    toks = np.arange(3000, 3025)                            # 3 full blocks + 1 token
+    sa, k, v = prefill(a, toks)
+    assert a.flush_tier(10) == 3
+    bs = a.config.block_size
+    assert tstats(a)["tier_bytes_out"] == 3 * (64 + 4 * bs + a.config.bytes_per_block)
+    assert b.match_prefix(toks) == 24
+    sb = b.create_sequence(tokens=toks)
+    assert b.seq_len(sb) == 24 and tstats(b)["tier_hits"] == 3
+    ra, rb = a.gather(sa, 0, 24, raw=True), b.gather(sb, raw=True)
+    for x, y in zip(ra, rb):
+        assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8))
+    ta, tbl = a.block_table(sa)[:3], b.block_table(sb)
+    for layer in range(a.config.num_layers):
+        assert np.array_equal(a.key_cache(layer)[ta].view(np.uint8),
+                              b.key_cache(layer)[tbl].view(np.uint8))
+        if dtype == "int8":
+            for f in ("key_scales", "value_scales"):
+                assert np.array_equal(getattr(a, f)(layer)[ta].view(np.uint32),
+                                      getattr(b, f)(layer)[tbl].view(np.uint32))
+    assert np.array_equal(a.gather(sa, 0, 24)[0], b.gather(sb)[0])
+    assert tstats(b)["tier_misses"] == 0 and tb.stats().get("nonfinite", 0) == 0
+    for c, s in ((a, sa), (b, sb)):
+        c.free(s)
+        assert c.check() == []
+
+
+def test_float8_hosts_with_other_scale_tables_do_not_share(hosts, cluster):
+    a, b = hosts(dtype="float8_e4m3"), hosts(dtype="float8_e4m3")
+    _tables(a, 0.5, 2.0)
+    _tables(b, 0.5, 2.0)
+    b.set_kv_scales(1, [0.5, 0.25], 2.0)                    # one head of one layer differs
+    a.set_tier(tier(cluster))
+    b.set_tier(tier(cluster))
+    toks = np.arange(77, 77 + 17)
+    prefill(a, toks)
+    assert a.flush_tier(10) == 2
+    assert b.match_prefix(toks) == 0
+    st = tstats(b)
+    assert st["tier_hits"] == 0 and st["tier_misses"] == 1
+    b.set_kv_scales(1, 1.0, 2.0)                            # now the same table: a hit
+    assert b.match_prefix(toks) == 16 and tstats(b)["tier_hits"] == 2
+    assert b.check() == []
+
+
+@pytest.mark.parametrize("damage", ["scale_byte", "nan_scale"])
+def test_a_bad_scale_in_an_int8_value_is_a_miss(hosts, cluster, damage):
+    """A flipped scale byte fails the checksum; a NaN scale under a valid checksum (a
+    hostile writer) is refused by append: both a counted miss, nothing lands."""
+    from shmkv.tier.codec import HEADER, Layout
+
+    a, b = hosts(dtype="int8"), hosts(dtype="int8")
+    a.set_tier(tier(cluster))
+    tb = tier(cluster)
+    b.set_tier(tb)
+    toks = np.arange(900, 917)                              # 2 full blocks
+    prefill(a, toks)
+    assert a.flush_tier(10) == 2
+    lay = Layout.of(b)
+    assert lay.sc_bytes and lay.size == HEADER + 4 * lay.block_size + b.config.bytes_per_block
+    h = b._tier_hashes(toks)
+    key = lay.key(int(h[1, 0]), int(h[1, 1]))               # the second block
+    val = bytearray(_get(cluster, key))
+    assert len(val) == lay.size
+    off = HEADER + lay.tok_bytes + 2 * lay.kv_bytes         # the K scales
+    if damage == "scale_byte":
+        val[off + lay.sc_bytes + 5] ^= 0x01                 # a V scale's low bit
+        why = "checksum"
+    else:
+        lay.scale_views(val)[0][1, 2, 0] = np.nan
+        lay.seal(val, int(h[1, 0]), int(h[1, 1]))
+        assert lay.check(val, int(h[1, 0]), int(h[1, 1]), toks[8:16]) is None
+        why = "nonfinite"
+    _put(cluster, key, bytes(val))
+    sb = b.create_sequence(tokens=toks)
+    assert b.seq_len(sb) == 8                               # block 0 only
+    st = tstats(b)
+    assert st["tier_hits"] == 1 and st["tier_misses"] == 1 and st["tier_errors"] == 0
+    assert tb.stats().get(why) == 1
+    assert np.isfinite(b.gather(sb)[1]).all()
+    b.free(sb)
+    assert b.check() == []

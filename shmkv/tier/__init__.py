@@ -19,7 +19,10 @@ blocks after the local hit, a window at a time (4, 8, 16 pipelined ``GET``s; the
 window is asked for while the current one is checked and landed), stop
 at the first block it lacks, check each value whole (size, magic, fingerprint, block
 hash, token ids, checksum) before any of it lands, and append it to the sequence with
-its token ids: the block is published locally, for every process of the host.
+its token ids: the block is published locally, for every process of the host.  A
+quantized pool's value carries the codes (and an int8 pool's scale rows; a float8 pool's
+scale table is in the fingerprint) and lands as its dequantized float32 values, which the
+pool's quantizer turns back into exactly those codes and scales.
 ``match_prefix`` loads into a temporary sequence it frees again (the blocks stay cached).
 A full pool stops the load: the call keeps the whole blocks it got, nothing leaks.
 
@@ -48,7 +51,7 @@ import numpy as np
 
 from ..errors import CacheFullError
 from .client import TierIOError, Transport
-from .codec import Layout
+from .codec import Layout, scale_table
 
 __all__ = ["RedisTier"]
 
@@ -183,7 +186,8 @@ class RedisTier:
 
     def stats(self) -> Dict[str, int]:
         """This process's detail: hits, misses (and why: absent, size, magic, foreign,
-        hash, tokens, checksum), errors, bytes_in/out, written, dropped (writes not
+        hash, tokens, checksum, nonfinite: a quantized value's codes or scales that are
+        NaN or inf), errors, bytes_in/out, written, dropped (writes not
         made: queue full, breaker open, block gone before the writer pinned it),
         pool_full (loads stopped by a full pool), skipped (lookups while the breaker
         was open)."""
@@ -199,7 +203,8 @@ class _Binding:
 
     def __init__(self, tier: RedisTier, cache: Any) -> None:
         self.tier = tier
-        self.layout = Layout(cache._tier_layout(), cache.config.numpy_dtype)
+        self.layout = Layout.of(cache)
+        self.fbufs: Optional[tuple[np.ndarray, np.ndarray]] = None   # quantized loads
         self.cache_ref = weakref.ref(cache)
         self.breaker = _Breaker(*tier.backoff)
         self.reader = tier._take_reader()
@@ -228,6 +233,17 @@ class _Binding:
             pass
         self.tier._count(hits=hits, misses=misses, errors=errors, bytes_in=bytes_in,
                          bytes_out=bytes_out, **detail)
+
+    def _current(self, cache: Any) -> Layout:
+        """The layout now: a float8 pool's scale table is part of its fingerprint, and
+        set_kv_scales may change it after set_tier (the keys follow it)."""
+        lay = self.layout
+        if lay.float8:
+            table = scale_table(cache)
+            if table is not None and (lay.table is None
+                                      or not np.array_equal(table, lay.table)):
+                lay = self.layout = Layout(lay.info, lay.dtype, table)
+        return lay
 
     def _seen(self, key: bytes) -> bool:
         return key in self.seen
@@ -346,7 +362,7 @@ class _Binding:
         cache = self.cache_ref()
         if cache is None or cache.closed:
             return
-        lay = self.layout
+        lay = self._current(cache)
         bs = lay.block_size
         todo = []
         batch: set[bytes] = set()
@@ -374,7 +390,10 @@ class _Binding:
                 for j in range(n):
                     buf = bufs[j]
                     toks, k, v = lay.views(buf)
-                    cache.gather(sid, j * bs, (j + 1) * bs, out=(k, v))
+                    if lay.quantized:             # codes (+ int8 scale rows), as stored
+                        lay.fill(buf, cache.gather(sid, j * bs, (j + 1) * bs, raw=True))
+                    else:
+                        cache.gather(sid, j * bs, (j + 1) * bs, out=(k, v))
                     toks[:] = cache.token_ids(sid, j * bs, (j + 1) * bs)
                     h0, h1 = int(chunk[j][0][0]), int(chunk[j][0][1])
                     lay.seal(buf, h0, h1)
@@ -437,9 +456,11 @@ class _Binding:
 
     def _extend(self, cache: Any, sid: Optional[int], ids: np.ndarray, salt: Any,
                 hashes: np.ndarray, hits: int) -> int:
-        lay = self.layout
+        lay = self._current(cache)
         bs = lay.block_size
         nfull = len(hashes)
+        if lay.quantized and (self.fbufs is None or self.fbufs[0].shape != lay.shape):
+            self.fbufs = (np.empty(lay.shape, np.float32), np.empty(lay.shape, np.float32))
         tmp = None
         if sid is None:
             # (nfull of these tokens is exactly hits: no tier lookup inside)
@@ -488,10 +509,20 @@ class _Binding:
                         stop = why
                         break
                     _, k, v = lay.views(bufs[j])
+                    if self.fbufs is not None and lay.quantized:
+                        # code * scale: append quantizes it back to the same codes and
+                        # scales (a NaN/inf there is a ValueError before anything lands)
+                        lay.dequantize(bufs[j], self.fbufs)
+                        k, v = self.fbufs
                     try:
                         cache.append(target, k, v, tokens=toks)
                     except CacheFullError:
                         stop = "pool_full"
+                        break
+                    except ValueError:
+                        if not lay.quantized:         # (a bug, not a value: counted error)
+                            raise
+                        stop = "nonfinite"
                         break
                     self._mark(keys[j])
                     loaded += 1
