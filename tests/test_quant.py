@@ -544,3 +544,29 @@ def test_e4m3_dequantized_codes_requantize_to_the_same_codes(make_cache, qisa):
     with pytest.raises(ValueError):
         _requantized(cache, bad, vq, *tables)
     assert cache.check() == []
+
+
+def test_int8_tiny_rows_keep_their_values(make_cache, qisa):
+    """A row whose largest |x| is below ~3.7e-37, where 127 / amax overflows float32: the
+    codes come from the inverse in double, so values keep their signs and stay within the
+    row's max (the AVX2 path used to turn them all into -127); a scale that rounds to 0
+    (amax < ~1.8e-43) stores codes 0, and the row reads back as 0."""
+    cache = make_cache(dtype="int8", head_dim=16, block_size=4)
+    cfg = cache.config
+    base = np.linspace(-1, 1, 16, dtype=np.float32)          # no exact 0, |x| >= 1/15
+    k = np.zeros((cfg.num_layers, 3, cfg.num_kv_heads, 16), np.float32)
+    for t, mag in enumerate((1e-38, 1e-41, 1e-44)):
+        k[:, t] = base * np.float32(mag)
+    sid = cache.create_sequence()
+    cache.append(sid, k, -k)
+    gk, gv = cache.gather(sid)
+    qk, qv, sk, sv = cache.gather(sid, raw=True)
+    for t in (0, 1):
+        assert (np.sign(gk[:, t]) == np.sign(k[:, t])).all()
+        assert (np.sign(gv[:, t]) == -np.sign(k[:, t])).all()
+        amax = np.abs(k[:, t]).max(-1, keepdims=True)
+        assert (np.abs(gk[:, t] - k[:, t]) <= amax).all()
+    s = np.abs(k[:, 0]).max(-1, keepdims=True) / 127
+    assert (np.abs(gk[:, 0] - k[:, 0]) <= s / 2 * (1 + 1e-5)).all()
+    assert (qk[:, 2] == 0).all() and (sk[:, 2] == 0).all() and (gk[:, 2] == 0).all()
+    assert cache.check() == []

@@ -92,6 +92,21 @@ static inline int shmkv_quant_isa(void) {
 }
 
 /* ---- int8 ------------------------------------------------------------------------------ */
+/* A row whose largest |x| is so small (< ~3.7e-37) that 127 / amax overflows float: the
+ * inverse in double.  A scale that rounds to 0 (amax < ~1.8e-43) gets codes 0, so the row
+ * reads back as 0 (an error below 1e-43) and loads elsewhere byte for byte.  Both paths
+ * call it, so they give the same codes. */
+static void shmkv_q_i8_tiny(const void *x, int f16, uint64_t r, uint32_t d, int8_t *qr,
+                            float amax, float s) {
+    const double inv = s > 0.0f ? 127.0 / (double)amax : 0.0;
+    for (uint32_t i = 0; i < d; i++) {
+        double v = nearbyint((double)shmkv_q_src(x, f16, r * d + i) * inv);
+        v = v > 127.0 ? 127.0 : v < -127.0 ? -127.0 : v;
+        qr[i] = (int8_t)v;
+    }
+}
+#define SHMKV_Q_TINY(amax) ((amax) > 0.0f && !(127.0f / (amax) < INFINITY))
+
 /* rows rows of d values (float32, or float16 with f16) -> rows rows of d int8 codes and
  * one scale each.  SHMKV_EINVAL if any value is not finite: q and s are the caller's
  * scratch and may then hold anything; the segment is never the destination. */
@@ -106,13 +121,17 @@ static int shmkv_quant_i8_c(const void *x, int f16, uint64_t rows, uint32_t d, i
             bad += v - v;                                   /* NaN iff any inf/NaN */
             amax = a > amax ? a : amax;
         }
+        s[r] = amax / 127.0f;
+        if (SHMKV_Q_TINY(amax)) {
+            shmkv_q_i8_tiny(x, f16, r, d, qr, amax, s[r]);
+            continue;
+        }
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (uint32_t i = 0; i < d; i++) {
             float v = nearbyintf(shmkv_q_src(x, f16, r * d + i) * inv);
             v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;   /* inv rounding */
             qr[i] = (int8_t)v;
         }
-        s[r] = amax / 127.0f;
     }
     return bad == 0.0f ? SHMKV_OK : SHMKV_EINVAL;
 }
@@ -177,6 +196,11 @@ SHMKV_QT int shmkv_quant_i8_avx2(const void *x, int f16, uint64_t rows, uint32_t
             mx = _mm256_max_ps(mx, _mm256_and_ps(v, absm));
         }
         const float amax = shmkv_q_hmax(mx);
+        s[r] = amax / 127.0f;
+        if (SHMKV_Q_TINY(amax)) {
+            shmkv_q_i8_tiny(x, f16, r, d, q + r * d, amax, s[r]);
+            continue;
+        }
         const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         for (uint32_t i = 0; i < d; i += 8) {
             const __m256 v = SHMKV_QLOAD(x, f16, r * d + i);
@@ -185,7 +209,6 @@ SHMKV_QT int shmkv_quant_i8_avx2(const void *x, int f16, uint64_t rows, uint32_t
                                  _mm256_set1_epi32(-127));
             shmkv_q_store8_s(q + r * d + i, c);
         }
-        s[r] = amax / 127.0f;
     }
     return _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) ? SHMKV_EINVAL : SHMKV_OK;
 }
