@@ -217,7 +217,10 @@ class Controller(Audits, EventAudits, Report):
                     "lanes": a.workers, "max_seqs": self.cfg.max_seqs, "lane": lane, "inc": self.inc,
                     "seed": self.rng.getrandbits(64), "crash": crash, "countdown": countdown,
                     "plant": a.plant, "bound": a.bound, "lock_timeout": a.lock_timeout,
-                    "t_start_ns": time.time_ns(), "prompt_seed": self.prompt_seed}
+                    "t_start_ns": time.time_ns(), "prompt_seed": self.prompt_seed,
+                    # a reset of the prefix index would un-hash the cached block the
+                    # corrupt_cached sabotage damaged, and nothing could catch it then
+                    "resets": a.sabotage != "corrupt_cached"}
         self.J.lanes[lane, LF["ready"]] = 0
         p = self.ctx.Process(target=worker_entry, args=(args,), daemon=True)
         if a.start_method == "spawn":

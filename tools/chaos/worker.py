@@ -234,6 +234,8 @@ class Worker(OwnOps, PoolOps):
         self.ev_cursor = b.next_seq
 
     def op_reset(self):
+        if not self.a.get("resets", True):
+            return
         self.call("reset_prefix", self.cache.reset_prefix_cache)
         self.bump("resets")
 
