@@ -154,6 +154,16 @@ def _open_existing(name, read_only):
     return fd
 
 
+def _map_readonly(fd, name):
+    """A read-only mapping of the whole segment behind fd (the readers that never attach:
+    snapshot(), EventReader); SegmentError if it cannot hold even the header page."""
+    size = os.fstat(fd).st_size
+    if size < SHMKV_PAGE:
+        raise SegmentError(f"{name}: {size} bytes, too small for a shmkv segment",
+                           reason="not_ready" if size == 0 else "corrupt")
+    return _Mapping.map(fd, size, False, False)
+
+
 cdef dict layout_dict(const shmkv_layout_t *l):
     return dict(token_bytes=l.token_bytes, block_bytes=l.block_bytes,
                 layer_stride=l.layer_stride, index_capacity=l.index_capacity,

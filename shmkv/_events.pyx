@@ -21,8 +21,7 @@ from libc.stdlib cimport malloc, free
 
 from shmkv._core cimport *
 
-from ._core import _norm_name, _open_existing
-from .errors import SegmentError
+from ._core import _map_readonly, _norm_name, _open_existing
 from .events import Event, EventBatch
 
 bind_debug_state()     # it compiles the kernels too: their switches are _core's
@@ -140,14 +139,11 @@ cdef class EventReader:
     cdef readonly object name
 
     def __init__(self, name):
+        cdef _Mapping m
         name = _norm_name(name)
         fd = _open_existing(name, True)
         try:
-            size = os.fstat(fd).st_size
-            if size < SHMKV_PAGE:
-                raise SegmentError(f"{name}: {size} bytes, too small for a shmkv segment",
-                                   reason="not_ready" if size == 0 else "corrupt")
-            m = _Mapping.map(fd, size, False, False)
+            m = _map_readonly(fd, name)
         finally:
             os.close(fd)
         st = shmkv_ctx_bind(&self.ctx, m.base, m.size, 1)

@@ -3,6 +3,7 @@ from typing import Any
 
 from ._core import COUNTER_NAMES as COUNTER_NAMES
 from ._core import Segment
+from ._core import _map_readonly as _map_readonly
 from ._core import _norm_name as _norm_name
 from ._core import _open_existing as _open_existing
 

@@ -21,7 +21,7 @@ from libc.string cimport memset, memcpy
 
 from shmkv._core cimport *
 
-from ._core import COUNTER_NAMES, _norm_name, _open_existing
+from ._core import COUNTER_NAMES, _map_readonly, _norm_name, _open_existing
 from .errors import CacheFullError, SegmentError
 
 cnp.import_array()
@@ -344,12 +344,7 @@ def snapshot(name, *, bint tables=True):
     name = _norm_name(name)
     fd = _open_existing(name, True)
     try:
-        size = os.fstat(fd).st_size
-        if size < SHMKV_PAGE:
-            raise SegmentError(f"{name}: {size} bytes, too small for a shmkv segment",
-                               reason="not_ready" if size == 0 else "corrupt")
-        m = _Mapping.map(fd, size, False, False)
-        return _snapshot(name, m, fd, tables)
+        return _snapshot(name, _map_readonly(fd, name), fd, tables)
     finally:
         os.close(fd)
 

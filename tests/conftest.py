@@ -6,6 +6,7 @@ import uuid
 import pytest
 
 import shmkv
+from shmkv import _attention
 
 # The suite tests the installed package, never the source tree.
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -100,3 +101,20 @@ def spawn(procs):
 
     start.ctx = ctx
     return start
+
+
+# The attention kernel's instruction-set paths this CPU can run (scalar runs everywhere).
+ISAS = [n for n in ("scalar", "avx2", "avx512")
+        if ("scalar", "avx2", "avx512").index(n) <= ("scalar", "avx2", "avx512").index(
+            _attention.cpu_isa())]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each ISA path this CPU can run, forced on in turn."""
+    before = _attention.isa()
+    _attention._force_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        _attention._force_isa(before)

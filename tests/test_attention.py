@@ -9,27 +9,14 @@ import numpy as np
 import pytest
 from attn_workers import tokens as _tokens
 from attn_workers import writer as _writer
+from conftest import ISAS
 
 import shmkv
 from shmkv import _attention, _core
 
-ISAS = [n for n in ("scalar", "avx2", "avx512")
-        if ("scalar", "avx2", "avx512").index(n) <= ("scalar", "avx2", "avx512").index(
-            _attention.cpu_isa())]
 DTYPES = ["float32", "float16", "bfloat16"]
 QDTYPES = ["int8", "float8_e4m3"]     # quantized pools: the reference reads gather()'s
                                       # dequantized float32, so the tolerance is fp32's
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Each ISA path this CPU can run, forced on in turn (scalar runs everywhere)."""
-    before = _attention.isa()
-    _attention._force_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        _attention._force_isa(before)
 
 
 @pytest.fixture

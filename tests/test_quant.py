@@ -11,23 +11,10 @@ import pytest
 from mp_workers import exact_quantized
 
 import shmkv
-from shmkv import _attention, _quant
+from shmkv import _quant
 
 QDTYPES = ["int8", "float8_e4m3"]
-ISAS = [n for n in ("scalar", "avx2", "avx512")
-        if ("scalar", "avx2", "avx512").index(n) <= ("scalar", "avx2", "avx512").index(
-            _attention.cpu_isa())]
 E4M3 = ml_dtypes.float8_e4m3fn
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _attention.isa()
-    _attention._force_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        _attention._force_isa(before)
 
 
 @pytest.fixture(params=["scalar", "avx2"])

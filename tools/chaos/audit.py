@@ -5,8 +5,6 @@ audit and its probes.  A mixin of ``Controller``."""
 from __future__ import annotations
 
 import json
-import mmap
-import os
 
 import numpy as np
 
@@ -28,6 +26,7 @@ from .common import (
     OWNED,
     SALTS,
 )
+from .events import token_table
 
 
 class Audits:
@@ -202,16 +201,7 @@ class Audits:
         hashed = np.flatnonzero(np.asarray(snap["block_flags"]) & 1)
         if self.views is None:
             self.views = [(c.key_cache(l), c.value_cache(l)) for l in range(cfg.num_layers)]
-        off = _core.layout_of(cfg)["off_tokens"]
-        fd = os.open(f"/dev/shm/{self.name}", os.O_RDONLY)
-        try:
-            mm = mmap.mmap(fd, off + cfg.num_blocks * bs * 4, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        try:
-            toks = np.frombuffer(mm, np.int32, cfg.num_blocks * bs, off).reshape(-1, bs).copy()
-        finally:
-            mm.close()
+        toks = token_table(self.name, cfg)
         nbad = 0
         for b in hashed.tolist():
             k = np.stack([self.views[l][0][b] for l in range(cfg.num_layers)])
