@@ -323,7 +323,13 @@ typedef struct {
 } shmkv_proc_t;
 
 /* ---- one sequence slot (128 bytes) -------------------------------------------------- */
-enum { SHMKV_SEQF_UNTRACKED = 1u };  /* token ids not all known: no more block hashing */
+enum { SHMKV_SEQF_UNTRACKED = 1u,  /* token ids not all known: no more block hashing */
+       SHMKV_SEQF_COW_TAIL = 2u    /* truncate kept part of a block that others hold or can
+                                      find whole (shared, or hashed): the next write into
+                                      the partial last block copies it first, as a shared
+                                      one (set before truncate publishes len, cleared by
+                                      the copy-on-write commit; an extra copy is its only
+                                      cost when stale) */ };
 typedef struct {
     uint32_t state;            /* FREE / BUILDING / LIVE; written under pool_lock */
     uint32_t gen;              /* bumped on every allocation of the slot; part of the id */
