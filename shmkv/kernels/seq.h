@@ -186,13 +186,17 @@ static void shmkv__truncate_publish(shmkv_ctx_t *c, uint32_t slot, uint32_t n,
  * block is only decref'd, one reaching 0 goes to the free stack or, hashed, stays
  * findable on the LRU list (as free() leaves them; no KV event: nothing leaves the
  * index).  Caller holds the sequence lock and the pool lock.  All-or-nothing: every
- * check comes before the first store. */
+ * check comes before the first store -- including the two a corrupt segment could
+ * turn into damage: a refcount of 0 under a table entry, a free stack with no room. */
 static int shmkv_seq_truncate_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t n) {
     uint32_t keep;
     int st = shmkv__truncate_check(c, slot, n, &keep);
     if (st != SHMKV_OK) return st;
     uint32_t nb = c->seqs[slot].nblocks;
     const int32_t *t = shmkv_table(c, slot);
+    if ((uint64_t)c->sh->free_top + (nb - keep) > c->cfg.num_blocks) return SHMKV_ECORRUPT;
+    for (uint32_t i = keep; i < nb; i++)
+        if (shmkv_atomic_load_u32(&c->blocks[t[i]].ref_cnt) == 0) return SHMKV_ECORRUPT;
     shmkv__truncate_publish(c, slot, n, keep, shmkv__truncate_cow_tail(c, slot, n));
     for (uint32_t i = nb; i-- > keep;) {          /* tail first, as free() */
         if (i == keep + (nb - keep) / 2) SHMKV_CRASH(TRUNCATE_MID);
