@@ -58,7 +58,8 @@
  *              stack, sequence state/owner/nblocks/table entries and ref_cnt changes.  Held
  *              for metadata only (O(blocks touched)), never across a byte copy.
  *   seq.writer per-sequence lock word (CAS 0 -> holder's proc token).  Held by whoever
- *              changes or reads a sequence's blocks: append, reserve, gather, free, trim.
+ *              changes or reads a sequence's blocks: append, reserve, gather, free, trim,
+ *              truncate.
  *              The byte copies run under it, outside pool_lock, without the GIL.
  *              A holder that died is detected through the process table and cleared.
  *   proc.cache_lock  per-process lock word over that process's cache of free blocks and
@@ -454,6 +455,9 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     h = shmkv_mix(h, offsetof(shmkv_config_t, event_capacity));
     h = shmkv_mix(h, offsetof(shmkv_layout_t, scale_bytes));     /* issue 14 */
     h = shmkv_mix(h, offsetof(shmkv_layout_t, off_hscale));
+    /* the sequence flags a peer must honour: a build without truncate would write into a
+     * block SHMKV_SEQF_COW_TAIL says others still read (same layout, other meaning) */
+    h = shmkv_mix(h, SHMKV_SEQF_COW_TAIL);
     return h;
 }
 
