@@ -649,7 +649,8 @@ def exercise(c, rng, finding):
             op("append", c.append, s, a, a)
             ch = op("fork", c.fork, s)
             if ch is not None:
-                op("truncate", c.truncate, ch, 1)          # into the shared block
+                if op("seq_len", c.seq_len, ch):           # (the append may have failed)
+                    op("truncate", c.truncate, ch, 1)      # into the shared block
                 op("append", c.append, ch, a[:, :1], a[:, :1])
                 op("gather", c.gather, ch)
                 op("free", c.free, ch)
