@@ -62,6 +62,7 @@ cdef extern from "kernels/kernels.h" nogil:
     int shmkv_pcache_create(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out)
     int shmkv_pcache_grow(shmkv_ctx_t *c, uint32_t slot, const shmkv_grow_plan_t *pl)
     int shmkv_pcache_free(shmkv_ctx_t *c, uint32_t slot)
+    int shmkv_pcache_truncate(shmkv_ctx_t *c, uint32_t slot, uint32_t n)
     int shmkv_pcache_balance_locked(shmkv_ctx_t *c)
     int shmkv_pcache_drain_all_locked(shmkv_ctx_t *c)
     int shmkv_quiesce_locked(shmkv_ctx_t *c)
@@ -100,6 +101,7 @@ cdef extern from "kernels/kernels.h" nogil:
     int shmkv_seq_create_locked(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out)
     int shmkv_seq_valid(const shmkv_ctx_t *c, uint32_t slot)
     int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot)
+    int shmkv_seq_truncate_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t n)
     int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_out)
     int shmkv_seq_plan(shmkv_ctx_t *c, uint32_t slot, uint64_t n, shmkv_grow_plan_t *pl)
     int shmkv_seq_grow_locked(shmkv_ctx_t *c, uint32_t slot, shmkv_grow_plan_t *pl,

@@ -200,6 +200,13 @@ cdef list _check_locked(shmkv_ctx_t *c):
                 if want != nb:
                     bad.append(f"sequence {sid}: length {ln} needs {want} blocks, table "
                                f"holds {nb} (unpublished tail with no writer)")
+                elif (ln % c.cfg.block_size and shmkv_block_ok(c, t[want - 1])
+                        and c.blocks[t[want - 1]].flags & SHMKV_BLOCK_HASHED
+                        and not q.flags & SHMKV_SEQF_COW_TAIL):
+                    # only truncate leaves a findable block partial in a table: its next
+                    # write must copy it (SHMKV_SEQF_COW_TAIL)
+                    bad.append(f"sequence {sid}: its partial last block {t[want - 1]} is "
+                               f"in the prefix index but not marked copy-on-write")
                 shmkv_seq_unlock(c, s)
             tok = q.owner
             if tok != 0 and ((tok & 0xffffffff) == 0 or (tok & 0xffffffff) - 1 >= NP):

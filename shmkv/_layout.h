@@ -58,7 +58,8 @@
  *              stack, sequence state/owner/nblocks/table entries and ref_cnt changes.  Held
  *              for metadata only (O(blocks touched)), never across a byte copy.
  *   seq.writer per-sequence lock word (CAS 0 -> holder's proc token).  Held by whoever
- *              changes or reads a sequence's blocks: append, reserve, gather, free, trim.
+ *              changes or reads a sequence's blocks: append, reserve, gather, free, trim,
+ *              truncate.
  *              The byte copies run under it, outside pool_lock, without the GIL.
  *              A holder that died is detected through the process table and cleared.
  *   proc.cache_lock  per-process lock word over that process's cache of free blocks and
@@ -323,7 +324,13 @@ typedef struct {
 } shmkv_proc_t;
 
 /* ---- one sequence slot (128 bytes) -------------------------------------------------- */
-enum { SHMKV_SEQF_UNTRACKED = 1u };  /* token ids not all known: no more block hashing */
+enum { SHMKV_SEQF_UNTRACKED = 1u,  /* token ids not all known: no more block hashing */
+       SHMKV_SEQF_COW_TAIL = 2u    /* truncate kept part of a block that others hold or can
+                                      find whole (shared, or hashed): the next write into
+                                      the partial last block copies it first, as a shared
+                                      one (set before truncate publishes len, cleared by
+                                      the copy-on-write commit; an extra copy is its only
+                                      cost when stale) */ };
 typedef struct {
     uint32_t state;            /* FREE / BUILDING / LIVE; written under pool_lock */
     uint32_t gen;              /* bumped on every allocation of the slot; part of the id */
@@ -448,6 +455,9 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     h = shmkv_mix(h, offsetof(shmkv_config_t, event_capacity));
     h = shmkv_mix(h, offsetof(shmkv_layout_t, scale_bytes));     /* issue 14 */
     h = shmkv_mix(h, offsetof(shmkv_layout_t, off_hscale));
+    /* the sequence flags a peer must honour: a build without truncate would write into a
+     * block SHMKV_SEQF_COW_TAIL says others still read (same layout, other meaning) */
+    h = shmkv_mix(h, SHMKV_SEQF_COW_TAIL);
     return h;
 }
 

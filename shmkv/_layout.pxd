@@ -25,7 +25,7 @@ cdef extern from "_layout.h" nogil:
     enum:
         SHMKV_BLOCK_HASHED
     enum:
-        SHMKV_SEQF_UNTRACKED
+        SHMKV_SEQF_UNTRACKED, SHMKV_SEQF_COW_TAIL
     enum:
         SHMKV_HASH_XXH, SHMKV_HASH_SHA256
     enum:

@@ -3,14 +3,14 @@
 
 SequenceOps (above _prefix.PrefixOps in the method chain): create_sequence (from this
 process's cache of free slots, or under pool_lock, taking a prefix-cache hit), fork,
-free, sequences, seq_len, block_table, batch_block_tables, and ownership (detach, adopt,
-owner_pid).
+free, truncate, sequences, seq_len, block_table, batch_block_tables, and ownership
+(detach, adopt, owner_pid).
 
 Writes (through the kernels unless said): sequence slots (state, gen, owner, priority,
-salt, table, nblocks), block ref_cnt, the free stacks and this process's caches (under
-pool_lock, or on the process-cache fast paths under its own cache_lock); seq.salt of a
-slot just created (directly: nobody else can reach it yet); seq.owner (directly, under the
-sequence lock and pool_lock).  No K/V data: that is _kvdata's.
+salt, table, nblocks; len, flags and hashing state on truncate), block ref_cnt, the
+free stacks and this process's caches (under pool_lock, or on the process-cache fast
+paths under its own cache_lock); seq.salt of a slot just created (directly: nobody else
+can reach it yet); seq.owner (directly, under the sequence lock and pool_lock).  No K/V data: that is _kvdata's.
 """
 import numpy as np
 
@@ -257,6 +257,59 @@ cdef class SequenceOps(PrefixOps):
         if st != SHMKV_OK:
             shmkv_seq_unlock(c, slot)
             raise_status(st, f"free({s})")
+
+    def truncate(self, sid, n):
+        """Keep the first ``n`` tokens of a sequence, in place (same id).
+
+        The blocks past them are released as ``free`` releases blocks: a shared one
+        (a fork's, a prefix hit's) is only decref'd, one whose refcount reaches 0
+        returns to the pool or, if its hash is published, stays findable in the prefix
+        cache.  The hashes of blocks kept whole stay valid (and published); a partial
+        last block is no longer hashed by this sequence, and if other sequences hold it
+        or can find it whole, the next append or reserve copies it first (copy-on-write,
+        as after ``fork``).  The token ids recorded past ``n`` are dropped.
+        All-or-nothing; the process-cache fast path when every released block is
+        exclusive and unhashed, the pool lock otherwise.
+
+        Parameters
+        ----------
+        sid : int
+        n : int
+            Tokens to keep, ``0 <= n <= seq_len(sid)``.
+
+        Raises
+        ------
+        SequenceNotFound
+            ``sid`` is not a live sequence.
+        ValueError
+            ``n`` is out of range (nothing changes).
+        TypeError
+            ``n`` is not an int.
+        """
+        cdef shmkv_ctx_t *c = ctx_of(self)
+        cdef int64_t s = as_sid(sid)
+        cdef uint32_t slot
+        cdef int64_t ln
+        cdef int st
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"truncate({s}): n: expected int, got {type(n).__name__}")
+        seq_lock(c, s, &slot)
+        try:
+            ln = valid_len(c, slot, s)
+            if n < 0 or n > ln:
+                raise ValueError(
+                    f"truncate({s}): n: expected 0 <= n <= seq_len {ln}, got {n}")
+            st = shmkv_pcache_truncate(c, slot, <uint32_t>n)    # exclusive tail: our cache
+            if st == SHMKV_EAGAIN:
+                pool_lock(c)
+                st = shmkv_seq_truncate_locked(c, slot, <uint32_t>n)
+                if st == SHMKV_OK:
+                    shmkv_pcache_balance_locked(c)
+                shmkv_pool_unlock(c)
+            if st != SHMKV_OK:
+                raise_status(st, f"truncate({s}, {n})")
+        finally:
+            shmkv_seq_unlock(c, slot)
 
     def sequences(self):
         """Ids of the live sequences, in slot order."""

@@ -18,7 +18,7 @@ def die_in(name, point, op, disarm):
     cfg = cache.config
     bs = cfg.block_size
     sid = cache.create_sequence()
-    if op in ("fork", "free", "gather", "trim"):
+    if op in ("fork", "free", "gather", "trim", "truncate"):
         cache.append(sid, _kv(cfg, 4 * bs), _kv(cfg, 4 * bs))
     if op == "commit":
         cache.reserve(sid, 3 * bs, tokens=np.arange(3 * bs))
@@ -42,6 +42,8 @@ def die_in(name, point, op, disarm):
         cache.trim_streaming(sid, bs, bs)                  # _prefix
     elif op == "commit":
         cache.commit(sid)                                  # _prefix
+    elif op == "truncate":
+        cache.truncate(sid, bs + 1)                        # _sequences
     elif op == "recover":
         cache.recover()                                    # _inspect
     elif op == "reset":

@@ -59,6 +59,7 @@ def test_chaos_short_run_has_no_failures(tmp_path):
     assert px["audit_hit_blocks_verified"] > 0 and px["hashed_blocks_verified_in_audits"] > 0
     assert px["token_ids_verified"] > 0 and px["commits"] > 0
     assert px["trims"] > 0 and px["evicted"] > 0
+    assert px["truncates"] > 0 and r["crash_point_deaths"]["truncate_mid"] >= 3
     # KV events: written, read racing the writers and in every audit, checked against
     # the index; deaths inside the event write and inside reset_prefix_cache
     ev = r["events"]

@@ -1,5 +1,5 @@
 """A hypothesis state machine drives random create / append / fork / reserve+write / gather /
-free / detach / adopt / close-and-reattach against a pure-Python model and compares every
+truncate / free / detach / adopt / close-and-reattach against a pure-Python model and compares every
 gather exactly.  The pool is small, so CacheFullError happens; it must come exactly when
 the pool (or the slots, or max_seq_len) is short, and have no effect at all."""
 import os
@@ -33,6 +33,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.cache = shmkv.KVCache.create(self.name, self.cfg)
         self.model = {}            # sid -> (k, v): [num_layers, len, heads, dim] each
         self.detached = set()
+        self.cow_tail = set()      # sids whose partial last block truncate kept shared
         self.seed = 0
         self.full_seen = 0
 
@@ -67,20 +68,23 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _need(self, sid, n):
         """Blocks growing sid by n tokens takes (new ones + a copy of a shared partial
-        last block), and whether it is longer than max_seq_len."""
+        last block), whether it is longer than max_seq_len, and how many fewer blocks are
+        free afterwards (a copy made for a truncated tail nobody else holds any more
+        releases the original)."""
         bs = self.cfg.block_size
         L = self.model[sid][0].shape[1]
         new = -(-(L + n) // bs) - -(-L // bs)
-        cow = 0
+        cow = kept = 0
         if L % bs:
             last = self.cache.block_table(sid)[-1]
             holders = sum(1 for s in self.model if last in self.cache.block_table(s))
-            cow = 1 if holders > 1 else 0
-        return new + cow, L + n > self.cfg.max_seq_len
+            cow = 1 if holders > 1 or sid in self.cow_tail else 0
+            kept = 1 if holders > 1 else 0
+        return new + cow, L + n > self.cfg.max_seq_len, new + kept
 
     def _grow(self, sid, n, how):
         k, v = self._fresh(n)
-        need, too_long = self._need(sid, n)
+        need, too_long, taken = self._need(sid, n)
         before = footprint(self.cache)
         free = before["stats"]["free_blocks"]
         try:
@@ -95,7 +99,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert footprint(self.cache) == before
             return
         assert not too_long and need <= free, (need, free, too_long)
-        assert self.cache.stats()["free_blocks"] == free - need
+        self.cow_tail.discard(sid)             # a write into the tail copied it (or none)
+        assert self.cache.stats()["free_blocks"] == free - taken
         if how == "reserve":
             L = self.model[sid][0].shape[1]
             table = self.cache.block_table(sid)
@@ -134,6 +139,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.cache.block_table(child).tolist() == \
                 self.cache.block_table(src).tolist()
             self.model[child] = tuple(a.copy() for a in self.model[src])
+            if src in self.cow_tail:
+                self.cow_tail.add(child)
 
     @precondition(lambda self: self.model)
     @rule(i=pick, n=st.integers(1, 9))
@@ -183,12 +190,49 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert footprint(self.cache) == before
 
     @precondition(lambda self: self.model)
+    @rule(i=pick, data=st.data())
+    def truncate(self, i, data):
+        """Keeps the first n tokens: exactly the blocks no other table holds come back,
+        a kept partial block another table holds is copied on the next write."""
+        sid = self._sid(i)
+        k, v = self.model[sid]
+        L = k.shape[1]
+        n = data.draw(st.integers(0, L), label="n")
+        bs = self.cfg.block_size
+        table = self.cache.block_table(sid).tolist()
+        others = {b for s in self.model if s != sid for b in self.cache.block_table(s)}
+        keep = -(-n // bs)
+        released = sum(1 for b in table[keep:] if b not in others)
+        free = self.cache.stats()["free_blocks"]
+        self.cache.truncate(sid, n)
+        self._event(f"truncate: {'whole blocks' if n % bs == 0 else 'partial'}, "
+                    f"{'shared tail' if n % bs and table[n // bs] in others else 'own'}")
+        assert self.cache.stats()["free_blocks"] == free + released
+        assert self.cache.block_table(sid).tolist() == table[:keep]
+        self.model[sid] = (k[:, :n].copy(), v[:, :n].copy())
+        self.cow_tail.discard(sid)
+        if n % bs and table[n // bs] in others:
+            self.cow_tail.add(sid)
+
+    @precondition(lambda self: self.model)
+    @rule(i=pick, data=st.data())
+    def truncate_out_of_range(self, i, data):
+        sid = self._sid(i)
+        L = self.model[sid][0].shape[1]
+        n = data.draw(st.integers(L + 1, L + 40) | st.integers(-5, -1), label="n")
+        before = footprint(self.cache)
+        with pytest.raises(ValueError):
+            self.cache.truncate(sid, n)
+        assert footprint(self.cache) == before
+
+    @precondition(lambda self: self.model)
     @rule(i=pick)
     def free(self, i):
         sid = self._sid(i)
         self.cache.free(sid)
         del self.model[sid]
         self.detached.discard(sid)
+        self.cow_tail.discard(sid)
         with pytest.raises(shmkv.SequenceNotFound):
             self.cache.seq_len(sid)
 
@@ -223,6 +267,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.cache.close()
         self.cache = shmkv.KVCache.attach(self.name)
         self.model = {s: kv for s, kv in self.model.items() if s in self.detached}
+        self.cow_tail &= set(self.model)
 
     @precondition(lambda self: self.model)
     @rule(i=pick)

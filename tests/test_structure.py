@@ -20,7 +20,7 @@ ctx = mp.get_context("spawn")
 CASES = [("create_mid", "create"), ("fork_mid", "fork"), ("free_mid", "free"),
          ("append_before_publish", "append"), ("gather_mid", "gather"),
          ("trim_mid", "trim"), ("publish_mid", "commit"), ("recover_mid", "recover"),
-         ("reset_mid", "reset")]
+         ("reset_mid", "reset"), ("truncate_mid", "truncate")]
 
 
 def _run_worker(cache, procs, point, op, disarm=False):

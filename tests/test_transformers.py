@@ -314,8 +314,10 @@ def test_no_leak_after_an_exception_inside_generate(model, make_kv):
     finally:
         h.remove()
     assert past.get_seq_length() == 9 + 2
+    rows = past.sequence_ids
     ref = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=8)
     out = model.generate(ref[:, :12], past_key_values=past, max_new_tokens=5)
+    assert past.sequence_ids == rows                   # the undo truncated them in place
     assert all(kv.seq_len(s) == 16 for s in past.sequence_ids)
     assert torch.equal(out, ref[:, :17])
     past.close()
@@ -355,8 +357,11 @@ def test_crop_and_assisted_decoding(model, make_kv):
     with ShmkvCache(kv) as past:
         model.generate(ids, past_key_values=past, max_new_tokens=4)
         before = [kv.gather(s) for s in past.sequence_ids]
+        rows, free = past.sequence_ids, kv.stats()["free_blocks"]
         past.crop(-3)
         assert past.get_seq_length() == 13 - 3
+        assert past.sequence_ids == rows                    # truncated in place
+        assert kv.stats()["free_blocks"] >= free            # nothing copied
         for s, (k, v) in zip(past.sequence_ids, before):
             gk, gv = kv.gather(s)
             assert np.array_equal(gk, k[:, :10]) and np.array_equal(gv, v[:, :10])

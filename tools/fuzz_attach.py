@@ -18,9 +18,9 @@ case is written as a new shared-memory object, then:
   * when attached (half of the time with recover=False, so the calls meet the corruption
     before any repair): check(), stats(), sequences(), seq_len / block_table / gather of every
     sequence, cache.attention() over them (decode and q_lens: a result, SegmentError, or
-    ValueError for a length read as 0), batch_block_tables(), recover(), check() again, a
-    create + append + fork +
-    free, close()  -- ShmkvError subclasses are fine; anything else is a finding
+    ValueError for a length read as 0), batch_block_tables(), truncate() of one of them,
+    recover(), check() again, a create + append + fork + truncate + free, a truncate of a
+    surviving sequence, close()  -- ShmkvError subclasses are fine; anything else is a finding
 
 and unlinked.  Cases run in child processes (spawn), each recording the index of the case
 it is on in a shared progress file: a child that dies by a signal is a CRASH at exactly
@@ -619,6 +619,12 @@ def exercise(c, rng, finding):
            expected=(shmkv.ShmkvError, ValueError))
     if sids:
         op("batch_block_tables", c.batch_block_tables, sids[:8])
+    # truncate meets the corruption too (before any repair half of the time): every
+    # length, block id, refcount and cache entry it reads is checked before it writes
+    if live and rng.random() < 0.5:
+        sid = rng.choice(live)
+        op("truncate", c.truncate, sid, rng.randint(0, lens[sid]),
+           expected=(shmkv.ShmkvError, ValueError))
     # the KV event ring, whatever the mutation left in it: events, never a crash; and the
     # CLI over it (exit 0, or 2 for a segment it cannot read)
     op("events", c.events, 0)
@@ -643,6 +649,8 @@ def exercise(c, rng, finding):
             op("append", c.append, s, a, a)
             ch = op("fork", c.fork, s)
             if ch is not None:
+                if op("seq_len", c.seq_len, ch):           # (the append may have failed)
+                    op("truncate", c.truncate, ch, 1)      # into the shared block
                 op("append", c.append, ch, a[:, :1], a[:, :1])
                 op("gather", c.gather, ch)
                 op("free", c.free, ch)
@@ -654,6 +662,9 @@ def exercise(c, rng, finding):
                 op("free", c.free, ch)
             op("detach", c.detach, sid)
             op("adopt", c.adopt, sid)
+            n = op("seq_len", c.seq_len, sid)
+            if isinstance(n, int) and n:
+                op("truncate", c.truncate, sid, rng.randint(0, n))
         op("check", c.check)
     return errors
 

@@ -50,7 +50,8 @@
     X(PUBLISH_MID, "publish_mid")           /* pool lock: some block hashes indexed */   \
     X(TRIM_MID, "trim_mid")                 /* pool lock: trim journal half applied */ \
     X(EVENT_MID, "event_mid")               /* pool lock: event record half written */ \
-    X(RESET_MID, "reset_mid")               /* pool lock: prefix index half cleared */
+    X(RESET_MID, "reset_mid")               /* pool lock: prefix index half cleared */ \
+    X(TRUNCATE_MID, "truncate_mid")         /* len/nblocks lowered, tail half released */
 
 #define SHMKV_X_ENUM(id, name) SHMKV_CP_##id,
 enum { SHMKV_CP_NONE = 0, SHMKV_CRASH_POINTS(SHMKV_X_ENUM) SHMKV_NCRASH };

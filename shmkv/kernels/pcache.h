@@ -187,6 +187,46 @@ static int shmkv_pcache_free(shmkv_ctx_t *c, uint32_t slot) {
     return SHMKV_OK;
 }
 
+/* truncate() into our cache: when every block past the kept ones is exclusive (ref_cnt
+ * 1), unhashed and listed once, and the cache has room -- free()'s fast path, for a
+ * table's tail (the same reasons make it safe without the pool lock).  No block dropped
+ * (a cut inside the last block) takes this path too: only our cache_lock, which keeps
+ * recovery and check() out while the table and the hashing state change.  Caller holds
+ * the sequence lock.  OK, EAGAIN (slow path) or an error; nothing changed unless OK. */
+static int shmkv_pcache_truncate(shmkv_ctx_t *c, uint32_t slot, uint32_t n) {
+    shmkv_proc_t *p = shmkv_me(c);
+    if (p == NULL) return SHMKV_EAGAIN;
+    uint32_t keep;
+    int st = shmkv__truncate_check(c, slot, n, &keep);
+    if (st != SHMKV_OK) return st;
+    uint32_t nb = c->seqs[slot].nblocks;
+    if (nb - keep > SHMKV_PCACHE_BLOCKS) return SHMKV_EAGAIN;
+    if (!shmkv_pcache_trylock(c, p)) return SHMKV_EAGAIN;
+    const int32_t *t = shmkv_table(c, slot);
+    uint32_t have = p->cache_nblocks;
+    if (have > SHMKV_PCACHE_BLOCKS) st = SHMKV_ECORRUPT;
+    else if (nb - keep > SHMKV_PCACHE_BLOCKS - have) st = SHMKV_EAGAIN;
+    for (uint32_t i = keep; i < nb && st == SHMKV_OK; i++) {
+        shmkv_block_t *m = &c->blocks[t[i]];
+        if (shmkv_atomic_load_u32(&m->ref_cnt) != 1 || (m->flags & SHMKV_BLOCK_HASHED))
+            st = SHMKV_EAGAIN;
+        for (uint32_t j = 0; j < nb && st == SHMKV_OK; j++)
+            if (j != i && t[j] == t[i]) st = SHMKV_ECORRUPT;  /* ref_cnt 1, listed twice */
+    }
+    if (st != SHMKV_OK) { shmkv_pcache_unlock(p); return st; }
+    shmkv__truncate_publish(c, slot, n, keep, shmkv__truncate_cow_tail(c, slot, n));
+    for (uint32_t i = nb; i-- > keep;) {          /* tail first, as the slow path */
+        if (i == keep + (nb - keep) / 2) SHMKV_CRASH(TRUNCATE_MID);
+        uint32_t b = (uint32_t)t[i];
+        shmkv_atomic_store_u32(&c->blocks[b].ref_cnt, 0);
+        p->cache_blocks[have++] = b;
+        p->cache_nblocks = have;
+    }
+    shmkv_count_hot(c, SHMKV_PC_FREES, nb - keep);
+    shmkv_pcache_unlock(p);
+    return SHMKV_OK;
+}
+
 /* Moves cache entries of process p back to the shared stacks until at most keep_b
  * blocks and keep_s slots are left.  Caller holds the pool lock and p's cache_lock.
  * An entry that is not what a cache may hold is dropped (recovery recounts it). */

@@ -128,6 +128,83 @@ static int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_
     return SHMKV_OK;
 }
 
+/* ---- truncate: keep the first n tokens, in place -------------------------------------------- */
+/* The checks of a truncate, before anything changes: a valid table, no trim journal open
+ * (a dead trimmer's is finished by recovery first), n <= len.  *keep = the blocks that
+ * hold [0, n).  Caller holds the sequence lock. */
+static int shmkv__truncate_check(const shmkv_ctx_t *c, uint32_t slot, uint32_t n,
+                                 uint32_t *keep) {
+    const shmkv_seq_t *q = &c->seqs[slot];
+    int st = shmkv_seq_valid(c, slot);
+    if (st != SHMKV_OK) return st;
+    if (q->trim_d != 0) return SHMKV_ECORRUPT;
+    if (n > q->len) return SHMKV_EINVAL;
+    *keep = shmkv_blocks_for(c, n);
+    return SHMKV_OK;
+}
+
+/* Must the next write into the kept partial block copy it first?  Yes when somebody
+ * else holds it (ref_cnt > 1: a fork or a prefix hit that may have it whole) or can find
+ * it (hashed): the bytes past n in it are part of a block others read.  Caller holds the
+ * sequence lock and the pool lock or its own cache_lock (recovery, which rebuilds the
+ * hashed flags, is then excluded).  Only truncate makes a block partial in one table
+ * while it is whole elsewhere, so this is the one place that has to ask. */
+static int shmkv__truncate_cow_tail(const shmkv_ctx_t *c, uint32_t slot, uint32_t n) {
+    if (n % c->cfg.block_size == 0) return 0;
+    uint32_t b = (uint32_t)shmkv_table(c, slot)[n / c->cfg.block_size];  /* validated */
+    return shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) > 1
+        || (c->blocks[b].flags & SHMKV_BLOCK_HASHED);
+}
+
+/* Publishes a truncate to n tokens (keep = blocks_for(n)): marks that make the sequence
+ * more careful first, then the length (store-release: THE publish; a death before it
+ * leaves the old sequence, after it the new one, with [keep, nblocks) an unpublished
+ * tail that recovery trims), then nblocks, then marks that relax it.  The dropped
+ * entries stay in the table past nblocks for the caller to release.  Hashing state
+ * follows n: the whole kept blocks keep their hashes (published or computed), the
+ * partial one is no longer hashed by this sequence (it is rehashed when refilled; if it
+ * is in the index it stays there, whole, for others: see SHMKV_SEQF_COW_TAIL).  A
+ * sequence whose token ids were not all known becomes tracked again when every kept
+ * token lies in blocks it hashed and trim_streaming never renumbered it.  Caller holds
+ * the sequence lock and the pool lock or its own cache_lock. */
+static void shmkv__truncate_publish(shmkv_ctx_t *c, uint32_t slot, uint32_t n,
+                                    uint32_t keep, int cow_tail) {
+    shmkv_seq_t *q = &c->seqs[slot];
+    uint32_t full = n / c->cfg.block_size;
+    if (cow_tail) q->flags |= SHMKV_SEQF_COW_TAIL;
+    if (q->hash_ready > full) q->hash_ready = full;
+    if (q->hashed > q->hash_ready) q->hashed = q->hash_ready;
+    shmkv_atomic_store_u32_release(&q->len, n);              /* publish */
+    shmkv_atomic_store_u32(&q->nblocks, keep);
+    if (!cow_tail) q->flags &= ~(uint32_t)SHMKV_SEQF_COW_TAIL;
+    if ((q->flags & SHMKV_SEQF_UNTRACKED) && q->trimmed == 0
+            && (uint64_t)n <= (uint64_t)q->hash_ready * c->cfg.block_size)
+        q->flags &= ~(uint32_t)SHMKV_SEQF_UNTRACKED;
+}
+
+/* Truncates a sequence to its first n tokens, releasing the blocks past them: a shared
+ * block is only decref'd, one reaching 0 goes to the free stack or, hashed, stays
+ * findable on the LRU list (as free() leaves them; no KV event: nothing leaves the
+ * index).  Caller holds the sequence lock and the pool lock.  All-or-nothing: every
+ * check comes before the first store -- including the two a corrupt segment could
+ * turn into damage: a refcount of 0 under a table entry, a free stack with no room. */
+static int shmkv_seq_truncate_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t n) {
+    uint32_t keep;
+    int st = shmkv__truncate_check(c, slot, n, &keep);
+    if (st != SHMKV_OK) return st;
+    uint32_t nb = c->seqs[slot].nblocks;
+    const int32_t *t = shmkv_table(c, slot);
+    if ((uint64_t)c->sh->free_top + (nb - keep) > c->cfg.num_blocks) return SHMKV_ECORRUPT;
+    for (uint32_t i = keep; i < nb; i++)
+        if (shmkv_atomic_load_u32(&c->blocks[t[i]].ref_cnt) == 0) return SHMKV_ECORRUPT;
+    shmkv__truncate_publish(c, slot, n, keep, shmkv__truncate_cow_tail(c, slot, n));
+    for (uint32_t i = nb; i-- > keep;) {          /* tail first, as free() */
+        if (i == keep + (nb - keep) / 2) SHMKV_CRASH(TRUNCATE_MID);
+        shmkv_block_decref_locked(c, (uint32_t)t[i]);
+    }
+    return SHMKV_OK;
+}
+
 /* ---- growing a sequence ------------------------------------------------------------------ */
 /* What a writer must do before it can place n more tokens after position `len`. */
 typedef struct {
@@ -156,7 +233,9 @@ static int shmkv_seq_plan(shmkv_ctx_t *c, uint32_t slot, uint64_t n, shmkv_grow_
         uint32_t bi = len / c->cfg.block_size;
         int32_t b = shmkv_table(c, slot)[bi];
         if (!shmkv_block_ok(c, b)) return SHMKV_ECORRUPT;
-        if (shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) > 1
+        /* shared, or kept partially by truncate from a block others hold or find whole */
+        if ((shmkv_atomic_load_u32(&c->blocks[b].ref_cnt) > 1
+                || (q->flags & SHMKV_SEQF_COW_TAIL))
                 && __builtin_expect(shmkv_dbg->plant != SHMKV_PLANT_NO_COW, 1)) {
             pl->cow = 1;
             pl->cow_index = bi;
@@ -227,6 +306,7 @@ static int shmkv_seq_cow_commit_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t i
     if (!shmkv_block_ok(c, old) || !shmkv_block_ok(c, target)) return SHMKV_ECORRUPT;
     __atomic_store_n(&t[index], (int32_t)target, __ATOMIC_SEQ_CST);
     SHMKV_CRASH(COW_COMMIT_MID);
+    c->seqs[slot].flags &= ~(uint32_t)SHMKV_SEQF_COW_TAIL;   /* the tail is ours now */
     shmkv_proc_t *p = &c->procs[c->proc_slot];
     for (uint32_t i = 0; i < SHMKV_INFLIGHT_PER_PROC; i++)
         if (p->inflight[i] == target) { p->inflight[i] = SHMKV_NIL; break; }
@@ -258,6 +338,12 @@ static int shmkv_batch_sizes_locked(const shmkv_ctx_t *c, const int64_t *sids, s
         if (shmkv_sid_slot(c, sids[i], &sl) != SHMKV_OK) { *bad = sids[i]; return SHMKV_ENOSEQ; }
         uint32_t len = shmkv_atomic_load_u32_acquire(&c->seqs[sl].len);
         uint32_t nb = shmkv_blocks_for(c, len);
+        if (nb > shmkv_atomic_load_u32_acquire(&c->seqs[sl].nblocks)) {
+            /* a truncate on its owner's fast path (no pool lock) stores len, then
+             * nblocks: a new nblocks read after an old len means the new len is there */
+            len = shmkv_atomic_load_u32_acquire(&c->seqs[sl].len);
+            nb = shmkv_blocks_for(c, len);
+        }
         if (len > INT32_MAX || nb > c->seqs[sl].nblocks || nb > c->cfg.max_blocks_per_seq) {
             *bad = sids[i];
             return SHMKV_ECORRUPT;

@@ -23,7 +23,8 @@ def _kv(cfg: shmkv.CacheConfig, n: int, seed: int) -> npt.NDArray[np.float32]:
 
 
 def sequences(cache: shmkv.KVCache) -> None:
-    """Sequences: create, fork (copy-on-write), append, gather (three forms), free."""
+    """Sequences: create, fork (copy-on-write), append, gather (three forms), truncate,
+    free."""
     cfg = cache.config
     k, v = _kv(cfg, 6, 1), _kv(cfg, 6, 2)
     sid: int = cache.create_sequence()
@@ -41,6 +42,10 @@ def sequences(cache: shmkv.KVCache) -> None:
     table: npt.NDArray[np.int32] = cache.block_table(sid)
     assert table.dtype == np.int32 and len(table) == -(-6 // cfg.block_size)
     assert sorted(cache.sequences()) == sorted([sid, child])
+    cache.truncate(child, 3)                         # in place: the same id, 3 tokens
+    assert cache.seq_len(child) == 3
+    assert np.array_equal(cache.gather(child)[0], k[:, :3])
+    cache.truncate(child, np.int64(0))
     cache.free(child)
     cache.free(sid)
     assert cache.sequences() == []

@@ -22,6 +22,7 @@ from .common import (
     I_FREE,
     I_NONE,
     I_TRIM,
+    I_TRUNC,
     ORPHAN,
     OWNED,
     SALTS,
@@ -158,6 +159,8 @@ class Audits:
         t = self.ccall(c.trimmed, e.sid)
         if e.intent == I_TRIM:
             self.resolved_trims_ctl += 1
+        elif e.intent == I_TRUNC:
+            self.resolved_truncates_ctl += 1
         t_exp, conf, inflight, probs = resolve_record(e, n, t)
         for kind, msg, lost in probs:
             self.cfail(kind, f"detached sequence {e.sid}: {msg}: {e}")

@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 
-from .common import I_APPEND, I_TRIM, M24, SALT_BITS, TABLE_COLS, TABLE_ROWS, _base_table
+from .common import I_APPEND, I_TRIM, I_TRUNC, M24, SALT_BITS, TABLE_COLS, TABLE_ROWS, _base_table
 
 
 class DataError(Exception):
@@ -262,8 +262,10 @@ def resolve_record(e, n, trimmed):
     by someone who holds the record's claim or with every worker dead: what must have
     happened to the operation in flight.  An append publishes all of its tokens or
     none; a trim (its journal redone by recovery after a death) drops all of its blocks
-    or none, and trimmed() says so.  Returns (trim the data must show, confirmed
-    current length, in-flight append or None, problems [(kind, msg, lost tokens)])."""
+    or none, and trimmed() says so; a truncate to i_n leaves i_len tokens or i_n (its
+    publish is one store), the kept ones unchanged.  Returns (trim the data must show,
+    confirmed current length, in-flight append or None, problems [(kind, msg, lost
+    tokens)])."""
     probs = []
     if e.intent == I_APPEND:
         lens = (e.i_len, e.i_len + e.i_n)
@@ -275,11 +277,18 @@ def resolve_record(e, n, trimmed):
         t_exp = e.trim + e.i_n if trimmed_now else e.trim
         conf = n if trimmed_now else e.i_len
         inflight = None
+    elif e.intent == I_TRUNC:
+        lens = (e.i_len, e.i_n)
+        t_exp, conf, inflight = e.trim, (e.i_n if n == e.i_n else e.i_len), None
     else:
         lens = (e.conf,)
         t_exp, conf, inflight = e.trim, e.conf, None
     if n not in lens:
-        if e.intent == I_TRIM:
+        if e.intent == I_TRUNC:
+            msg = (f"a truncate from {e.i_len} to {e.i_n} tokens died in flight; the "
+                   f"sequence has {n} tokens (one of the two expected)")
+            probs.append(("bad_truncate", msg, max(0, e.i_n - n)))
+        elif e.intent == I_TRIM:
             msg = (f"a trim of {e.i_n} tokens at length {e.i_len} died in flight; the "
                    f"sequence has {n} tokens (all or none dropped expected)")
             probs.append(("bad_trim", msg, max(0, e.i_len - e.i_n - n)))

@@ -16,7 +16,8 @@ import numpy as np
 OPS = ("attach", "create", "append", "reserve", "write", "fork", "gather", "paged_read",
        "free", "detach", "adopt", "recover", "check", "seq_len", "owner_pid", "tables",
        "stats", "create_tok", "append_tok", "reserve_tok", "commit", "match_prefix",
-       "token_ids", "trim", "trimmed", "evict", "set_priority", "events", "reset_prefix")
+       "token_ids", "trim", "trimmed", "evict", "set_priority", "events", "reset_prefix",
+       "truncate")
 
 
 OP_INDEX = {n: i for i, n in enumerate(OPS)}
@@ -48,6 +49,8 @@ FAIL_KINDS = (
                         # well-formed full block, or whose ids do not match its data
     "bad_event",        # a KV event read torn or malformed, seqs not dense, or a "stored"
                         # event whose block (still findable) holds other token ids
+    "bad_truncate",     # truncate(sid, n) left another length than n, or a death inside
+                        # it left neither the old length nor n
 )
 
 
@@ -62,7 +65,8 @@ LANE_FIELDS = ("inc", "pid", "ready", "lost_token_count", "tokens_verified",
                "prefix_hit_tokens_verified", "ids_verified", "tok_appends", "commits",
                "committed_blocks", "trims", "trimmed_tokens", "resolved_trims",
                "evict_calls", "evicted", "evicted_dead", "matches", "cur_op",
-               "events_read", "events_lost", "resets", "resets_excused")
+               "events_read", "events_lost", "resets", "resets_excused",
+               "truncates", "truncated_tokens", "resolved_truncates")
 
 
 LF = {n: i for i, n in enumerate(LANE_FIELDS)}
@@ -91,11 +95,11 @@ STATE_NAMES = {EMPTY: "empty", OWNED: "owned", DETACHED: "detached", FREED: "fre
                ORPHAN: "orphan"}
 
 
-I_NONE, I_APPEND, I_FREE, I_DETACH, I_ADOPT, I_TRIM = 0, 1, 2, 3, 4, 5
+I_NONE, I_APPEND, I_FREE, I_DETACH, I_ADOPT, I_TRIM, I_TRUNC = 0, 1, 2, 3, 4, 5, 6
 
 
 INTENT_NAMES = {I_NONE: "-", I_APPEND: "append", I_FREE: "free", I_DETACH: "detach",
-                I_ADOPT: "adopt", I_TRIM: "trim"}
+                I_ADOPT: "adopt", I_TRIM: "trim", I_TRUNC: "truncate"}
 
 
 F_RESERVE_OK = 1        # only this sequence's creator touches it: reserve+write allowed
@@ -119,8 +123,8 @@ POOL_OP = 100           # cur_op: + this when the call is on a claimed pool sequ
 MAXSEG = 32
 
 
-# sid, state, intent, holder, flags, conf, i_len, i_n, nseg, trim, sink, starts, seeds
-PAYLOAD = struct.Struct(f"<qIIqIIIIIII{MAXSEG}I{MAXSEG}Q")
+# sid, state, intent, holder, flags, conf, i_len, i_n, nseg, trim, sink, starts, seeds, cuts
+PAYLOAD = struct.Struct(f"<qIIqIIIIIII{MAXSEG}I{MAXSEG}QI")
 
 
 COPY_BYTES = 512
@@ -170,9 +174,12 @@ class Entry:
     Positions: `conf`, `i_len` are current positions of the sequence; its lineage `segs`
     is in ORIGINAL positions (what the token was when it was appended).  They differ
     once trim_streaming dropped blocks: current position i < sink * block_size is
-    original i, any later one is original i + trim."""
+    original i, any later one is original i + trim.  `cuts` counts the truncates the
+    sequence went through (a reader whose two records differ in it, or show one in
+    flight, cannot tell which of the tokens it read the first record confirmed)."""
     __slots__ = (
         "conf",
+        "cuts",
         "flags",
         "holder",
         "i_len",
@@ -187,12 +194,13 @@ class Entry:
     )
 
     def __init__(self, sid=0, state=EMPTY, intent=I_NONE, holder=0, flags=0, conf=0,
-                 i_len=0, i_n=0, segs=(), ver=0, trim=0, sink=0):
+                 i_len=0, i_n=0, segs=(), ver=0, trim=0, sink=0, cuts=0):
         self.sid, self.state, self.intent, self.holder = sid, state, intent, holder
         self.flags, self.conf, self.i_len, self.i_n = flags, conf, i_len, i_n
         self.segs = list(segs)
         self.ver = ver
         self.trim, self.sink = trim, sink
+        self.cuts = cuts
 
     @property
     def salt(self):
@@ -206,7 +214,7 @@ class Entry:
         seeds = [d for _, d in self.segs] + [0] * (MAXSEG - n)
         return PAYLOAD.pack(self.sid, self.state, self.intent, self.holder, self.flags,
                             self.conf, self.i_len, self.i_n, n, self.trim, self.sink,
-                            *starts, *seeds)
+                            *starts, *seeds, self.cuts)
 
     @classmethod
     def unpack(cls, raw, ver):
@@ -215,18 +223,19 @@ class Entry:
         starts = v[11:11 + MAXSEG]
         seeds = v[11 + MAXSEG:11 + 2 * MAXSEG]
         return cls(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7],
-                   list(zip(starts[:n], seeds[:n])), ver, v[9], v[10])
+                   list(zip(starts[:n], seeds[:n])), ver, v[9], v[10], v[11 + 2 * MAXSEG])
 
     def copy(self):
         return Entry(self.sid, self.state, self.intent, self.holder, self.flags, self.conf,
-                     self.i_len, self.i_n, self.segs, self.ver, self.trim, self.sink)
+                     self.i_len, self.i_n, self.segs, self.ver, self.trim, self.sink,
+                     self.cuts)
 
     def __repr__(self):
         return (f"Entry(sid={self.sid}, {STATE_NAMES.get(self.state, self.state)}, "
                 f"intent={INTENT_NAMES.get(self.intent, self.intent)}({self.i_len},"
                 f"{self.i_n}), holder={self.holder >> 32}.{self.holder & 0xffffffff}, "
                 f"conf={self.conf}, flags={self.flags:#x}, trim={self.trim}, "
-                f"sink={self.sink}, segs={self.segs})")
+                f"sink={self.sink}, cuts={self.cuts}, segs={self.segs})")
 
 
 class Journal:

@@ -95,6 +95,7 @@ class Controller(Audits, EventAudits, Report):
         self.audit_probes = 0               # prompts probed in audits
         self.audit_hit_blocks = 0           # blocks those probes shared, verified
         self.resolved_trims_ctl = 0
+        self.resolved_truncates_ctl = 0
         self.views = None
 
     def cfail(self, kind, msg):
@@ -210,7 +211,8 @@ class Controller(Audits, EventAudits, Report):
                 crash = PLANT_AIM[a.plant]      # where the planted bug shows
             hi = {"recover_mid": 3, "create_mid": 4, "fork_mid": 3, "free_mid": 3,
                   "cow_after_copy": 2, "cow_commit_mid": 2, "publish_mid": 3,
-                  "trim_mid": 2, "reset_mid": 2, "event_mid": 4}.get(crash, 8)
+                  "trim_mid": 2, "reset_mid": 2, "event_mid": 4,
+                  "truncate_mid": 2}.get(crash, 8)
             countdown = self.rng.randint(1, hi)
             self.cp_armed[crash] += 1
         args = {"name": self.name, "journal": self.J.path, "failures": self.fail_path,

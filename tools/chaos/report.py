@@ -67,6 +67,9 @@ class Report:
                 "committed_blocks": lf["committed_blocks"],
                 "trims": lf["trims"], "trimmed_tokens": lf["trimmed_tokens"],
                 "inflight_trims_resolved": lf["resolved_trims"] + self.resolved_trims_ctl,
+                "truncates": lf["truncates"], "truncated_tokens": lf["truncated_tokens"],
+                "inflight_truncates_resolved": (lf["resolved_truncates"]
+                                                + self.resolved_truncates_ctl),
                 "evict_calls": lf["evict_calls"], "evicted": lf["evicted"],
                 "evicted_dead_owners": lf["evicted_dead"], "match_prefix_calls": lf["matches"],
                 "live_hit_blocks": (st.get("prefix_hits", 0) // self.cfg.block_size
@@ -146,6 +149,9 @@ class Report:
               f"{r['events']['resets']}")),
             ("trims / in-flight trims resolved",
              f"{r['prefix']['trims']} / {r['prefix']['inflight_trims_resolved']}"),
+            ("truncates (tokens cut) / in-flight truncates resolved",
+             (f"{r['prefix']['truncates']} ({r['prefix']['truncated_tokens']}) / "
+              f"{r['prefix']['inflight_truncates_resolved']}")),
             ("evict() calls / sequences evicted (of dead owners)",
              (f"{r['prefix']['evict_calls']} / {r['prefix']['evicted']} "
               f"({r['prefix']['evicted_dead_owners']})")),

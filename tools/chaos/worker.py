@@ -118,6 +118,7 @@ class Worker(OwnOps, PoolOps):
         # points sit on paths every step takes; these two need a long tokened sequence)
         self.focus = {"publish_mid": self.focus_publish,
                       "trim_mid": self.focus_trim,
+                      "truncate_mid": self.focus_truncate,
                       "event_mid": self.focus_publish,
                       "reset_mid": self.focus_reset}.get(a.get("crash"))
         self.J.busy[self.J.busy == self.lane + 1] = 0      # left by our lane's last death
@@ -165,9 +166,11 @@ class Worker(OwnOps, PoolOps):
             self.op_detach(e)
         elif r < 0.50:
             self.op_trim_own(e)
-        elif r < 0.51:
+        elif r < 0.53:
+            self.op_truncate_own(e)
+        elif r < 0.54:
             self.op_evict()
-        elif r < 0.52:
+        elif r < 0.55:
             self.op_priority_or_match(e)
         elif r < 0.71:
             self.op_pool_claim()
@@ -263,6 +266,22 @@ class Worker(OwnOps, PoolOps):
             e = self.rng.choice(list(self.own.values()))
             return self.append_n(e, min(self.max_len - e.conf, 2 * self.bs))
         return self.op_trim_own(self.rng.choice(cands))
+
+    def focus_truncate(self):
+        """Armed with truncate_mid (passed only when a block is released): truncates of
+        pool sequences (a death must leave the old length or the new one, the kept
+        tokens intact, forks and published blocks untouched) and of our own (reclaimed
+        whole by recovery: what must hold is everything they shared)."""
+        if self.rng.random() < 0.5:
+            return self.op_pool_claim(mode="truncate")
+        cands = [e for e in self.own.values() if e.conf > 2 * self.bs]
+        if not cands:
+            e = self.rng.choice(list(self.own.values()))
+            return self.append_n(e, min(self.max_len - e.conf, 3 * self.bs))
+        e = self.rng.choice(cands)
+        if self.rng.random() < 0.4:
+            self.op_fork_own(e)                    # shared blocks: the pool-lock path
+        return self.op_truncate_own(e)
 
     # -- claims ----------------------------------------------------------------------------
     def claim_new(self, slot, sid):

@@ -1,6 +1,6 @@
 """Worker operations on the sequences a worker owns (created, forked or adopted):
 create (with and without prompt tokens), append, reserve+write, fork, verify, free, detach,
-trim, priority and prefix match.  A mixin of ``Worker``; state lives there."""
+trim, truncate, priority and prefix match.  A mixin of ``Worker``; state lives there."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +16,7 @@ from .common import (
     I_DETACH,
     I_NONE,
     I_TRIM,
+    I_TRUNC,
     MAXSEG,
     OWNED,
     SALT_SHIFT,
@@ -474,6 +475,64 @@ class OwnOps:
             self.do_trim(e.sid % self.NS, e, "own")
         except shmkv.SequenceNotFound as ex:
             self.own_vanished(e, ex)
+
+    # -- truncate ------------------------------------------------------------------------
+    def truncate_n(self, e):
+        """Where to cut e: a speculative-decoding rollback (a few tokens), a block
+        boundary, or anywhere (mostly inside a block that stays shared with forks or
+        published: the next append must copy it)."""
+        bs, L = self.bs, e.conf
+        r = self.rng.random()
+        if r < 0.35:
+            return max(0, L - self.rng.randint(1, 2 * bs))
+        if r < 0.55:
+            return self.rng.randint(0, L // bs) * bs
+        return self.rng.randint(0, L)
+
+    def do_truncate(self, slot, e, where, n=None):
+        """truncate(e, n) under an I_TRUNC intent (a death leaves the old length or n);
+        checks seq_len, and starts a new lineage segment at n, so what is appended next
+        differs from what was dropped: a write into a block others still read (a missed
+        copy-on-write) shows in their data, a stale tail in ours."""
+        n = self.truncate_n(e) if n is None else n
+        L = e.conf
+        e.intent, e.i_len, e.i_n = I_TRUNC, L, n
+        e.cuts += 1                                # (readers: a truncate may come between)
+        self.J.write(slot, e)
+        self.on_pool = where == "pool"
+        try:
+            self.call("truncate", self.cache.truncate, e.sid, n)
+        finally:
+            self.on_pool = False
+        got = self.call("seq_len", self.cache.seq_len, e.sid)
+        if got != n:
+            self.fail("bad_truncate", f"{where}: truncate({e.sid}, {n}) at length {L} left "
+                                      f"{got} tokens; {e}")
+        e.conf = n
+        if len(e.segs) < MAXSEG - 1:
+            o = int(self.codec.orig_e(e, n, n + 1)[0])
+            e.segs = [s for s in e.segs if s[0] < o] + [(o, self.new_seed())]
+        e.intent = I_NONE
+        self.J.write(slot, e)
+        self.bump("truncates")
+        self.bump("truncated_tokens", L - n)
+        if self.rng.random() < 0.4:
+            k, v = self.call("gather", self.cache.gather, e.sid)
+            self.check_data(e, k, v, f"{where} after truncate")
+            self.check_ids(e, k.shape[1], f"{where} after truncate")
+        return True
+
+    def op_truncate_own(self, e):
+        if not self.mine(e):
+            return
+        if e.conf == 0:
+            return self.op_append_own(e)
+        try:
+            self.do_truncate(e.sid % self.NS, e, "own")
+        except shmkv.SequenceNotFound as ex:
+            return self.own_vanished(e, ex)
+        if self.rng.random() < 0.6:                # go on from the cut (copy-on-write)
+            self.op_append_own(e)
 
     def op_priority_or_match(self, e):
         if self.rng.random() < 0.5 and self.mine(e):

@@ -20,6 +20,7 @@ from .common import (
     I_FREE,
     I_NONE,
     I_TRIM,
+    I_TRUNC,
     MAXSEG,
     OP_INDEX,
     ORPHAN,
@@ -128,8 +129,9 @@ class PoolOps:
             return False
         self.on_pool = False
         n = k.shape[1]
-        if e.intent in (I_APPEND, I_TRIM):
-            self.bump("resolved_inflight" if e.intent == I_APPEND else "resolved_trims")
+        if e.intent in (I_APPEND, I_TRIM, I_TRUNC):
+            self.bump({I_APPEND: "resolved_inflight", I_TRIM: "resolved_trims",
+                       I_TRUNC: "resolved_truncates"}[e.intent])
         t_exp, conf, inflight, probs = resolve_record(e, n, t)
         for kind, msg, lost in probs:
             self.fail(kind, f"pool claim: sequence {e.sid}: {msg}; {e}")
@@ -161,7 +163,8 @@ class PoolOps:
                 if e is not None and e.state == DETACHED and (
                         (mode == "append" and e.flags & F_TOK and not e.trim
                          and e.conf + self.bs <= self.max_len)
-                        or (mode == "trim" and e.conf > 3 * self.bs)):
+                        or (mode == "trim" and e.conf > 3 * self.bs)
+                        or (mode == "truncate" and e.conf > 2 * self.bs)):
                     break
                 slot = self.pick_pool()
         if slot is None or slot in self.own:
@@ -183,16 +186,24 @@ class PoolOps:
                 r = 0.5
             elif mode == "trim":
                 r = 0.65
+            elif mode == "truncate":
+                r = 0.59
             if prefer_free or (npool > self.POOL_TARGET and r < 0.8 and mode is None) \
                     or e.conf >= self.max_len - 8:
                 if not self.journaled(slot, e, I_FREE, "free", self.cache.free):
                     return
                 e.state, e.intent = FREED, I_NONE
                 self.J.write(slot, e)
-            elif r < 0.60:
+            elif r < 0.56:
                 for _ in range(self.rng.randint(1, 3)):
                     if not self.pool_append(slot, e):
                         break
+            elif r < 0.62:
+                try:
+                    if e.conf and self.do_truncate(slot, e, "pool") and self.rng.random() < 0.6:
+                        self.pool_append(slot, e)          # on from the cut (copy-on-write)
+                except shmkv.SequenceNotFound:
+                    self._lost(slot, e)
             elif r < 0.70:
                 try:
                     if not self.do_trim(slot, e, "pool"):
@@ -299,6 +310,8 @@ class PoolOps:
             self.call("free", self.cache.free, child)
             return
         segs, pos, m, tr = got
+        if t != tr and tr == 0 and e.sink and lc <= e.sink * self.bs:
+            tr, m = t, e.sink * self.bs   # truncated into the sink: no token shows the trim
         if t != tr:
             self.fail("bad_trim", f"fork({e.sid}) -> {child}: trimmed() says {t}, its data "
                                   f"says {tr} tokens were dropped; parent {e}")
@@ -315,19 +328,35 @@ class PoolOps:
         self.adopt_child(child, lc, segs + [(o, self.new_seed())], flags, tr,
                          m // self.bs if tr else 0)
 
-    def check_pool_read(self, e1, e2, k, v, where):
+    def check_pool_read(self, e1, e2, k, v, where, e0=None):
         """A read of a pool sequence nobody let us hold: e1 its record read before the
         data (None: not read), e2 after it.  The data must be a well-formed (maybe
         trimmed) lineage; every token the records confirm must be there and right, in
-        the places the trims that can have happened leave it.  Returns derive_full's
+        the places the trims that can have happened leave it.  e0: a record read before
+        the data only to see whether a truncate came between (when e1 is None).  Returns derive_full's
         (segs, positions, m, trim) or None (garbage: reported)."""
         n = k.shape[1]
+        first = e1 if e1 is not None else e2
+        before = e1 if e1 is not None else e0
+        if first is not None and first.state != EMPTY and (
+                any(r is not None and r.sid == first.sid and r.intent == I_TRUNC
+                    for r in (before, e2))
+                or (before is not None and e2 is not None and e2.sid == before.sid
+                    and e2.cuts != before.cuts)):
+            # a truncate (then appends of a new lineage from the cut) may have come
+            # between the records and the read: which tokens the first record confirmed
+            # is unknown, and a lock-free read may mix the two lineages.  Discarded (the
+            # claimants and the audits check the sequence whole).
+            self.bump("reads_discarded")
+            try:
+                return self.codec.derive_full(k, v)
+            except DataError:
+                return None
         try:
             segs, pos, m, tr = self.codec.derive_full(k, v)
         except DataError as ex:
             self.fail("garbage", f"{where} ({n} tokens): {ex}; record {e1 or e2}")
             return None
-        first = e1 if e1 is not None else e2
         if first is None or first.state == EMPTY:
             return segs, pos, m, tr
         # records of this sequence (its lineage never changes; freed or adopted since
@@ -365,7 +394,8 @@ class PoolOps:
             if n < e1.conf:
                 self.fail("lost_tokens", f"{where}: {n} tokens, {e1.conf} confirmed; {e1}")
                 self.bump("lost_token_count", e1.conf - n)
-            if tr != e1.trim:
+            # (a truncate into the sink leaves no token that could show the trim)
+            if tr != e1.trim and (tr or n > e1.sink * bs):
                 self.fail("bad_trim", f"{where}: the data shows {tr} tokens dropped, the "
                                       f"record {e1.trim} and no trim since; {e1}")
         return segs, pos, m, tr
@@ -382,6 +412,7 @@ class PoolOps:
                 slot = int(idx[self.rng.randrange(idx.size)])
                 sid = int(self.J.hints[slot])
                 if sid:                      # read first (fast), then consult the record
+                    e0 = self.J.read(slot)       # (only: did a truncate come between?)
                     got = self.paged_read(sid)
                     if got is None:
                         return
@@ -390,7 +421,7 @@ class PoolOps:
                     if e2 is not None and e2.sid != sid:
                         e2 = None
                     self.check_pool_read(None, e2, k, v,
-                                         f"paged read of {sid} during an append")
+                                         f"paged read of {sid} during an append", e0=e0)
                     self.bump("tokens_verified", k.shape[1])
                     return
         slot, e = self.peek_pool()

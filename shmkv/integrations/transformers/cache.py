@@ -393,14 +393,16 @@ class ShmkvCache(Cache):
         self._step_layer = -1
 
     def _rollback_step(self) -> None:
-        """Undo a step that was opened but not finished (an exception inside the forward)."""
+        """Undo a step that was opened but not finished (an exception inside the forward):
+        every row is truncated back to the last finished step, in place (same ids)."""
         keep = self._len
         self._step_n = 0
         self._step_layer = -1
         self._publish = []
-        for r, sid in enumerate(self._rows):
+        for sid in self._rows:
             if self.kv.seq_len(sid) != keep:
-                self._rows[r] = self._truncate(sid, keep)
+                self.kv.truncate(sid, keep)
+        self._tables = None
 
     def _block_tables(self) -> torch.Tensor:
         if self._tables is None:
@@ -499,8 +501,9 @@ class ShmkvCache(Cache):
         """Remove the last ``-tokens_to_remove`` tokens of every row (transformers' rule: a
         negative count; 0 is a no-op; a positive count is refused as by DynamicCache).
 
-        shmkv has no truncate: a shortened row is a new sequence holding a copy of the kept
-        tokens (its id changes; see ``sequence_ids``)."""
+        Each row's sequence is truncated in place (``KVCache.truncate``: the ids in
+        ``sequence_ids`` stay, blocks past the kept tokens are released, the hashes of
+        the blocks kept whole stay published)."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
@@ -511,27 +514,10 @@ class ShmkvCache(Cache):
         if self._step_n:
             self._rollback_step()
         keep = max(0, self._len + int(tokens_to_remove))
-        try:
-            for r, sid in enumerate(self._rows):
-                self._rows[r] = self._truncate(sid, keep)
-        except CacheFullError:
-            self._release_all()
-            raise
+        for sid in self._rows:
+            self.kv.truncate(sid, keep)
         self._len = keep
         self._tables = None
-
-    def _truncate(self, sid: int, keep: int) -> int:
-        kv = self.kv
-        new = kv.create_sequence()
-        try:
-            if keep:
-                k, v = kv.gather(sid, 0, keep)
-                kv.append(new, k, v)
-        except BaseException:
-            kv.free(new)
-            raise
-        kv.free(sid)
-        return new
 
     def reset(self) -> None:
         """Free every row's sequence; the next update starts new ones."""
