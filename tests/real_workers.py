@@ -104,6 +104,7 @@ def convert(cache_dir, q):
     try:
         os.environ["SHMKV_MODEL_CACHE"] = str(cache_dir)
         os.environ["HF_HUB_OFFLINE"] = "1"
+        one_torch_thread()
         from huggingface_hub import constants
 
         from shmkv.models import smollm2_dir

@@ -117,13 +117,14 @@ def test_ids_that_contradict_prompt_ids_are_refused(model, make_kv):
     assert kv.check() == []
 
 
-def test_padded_batch_under_sdpa_records_nothing(make_kv):
-    m = make_model(attn="sdpa")
+@pytest.mark.parametrize("bound", [True, False])
+def test_padded_batch_under_sdpa_records_nothing(make_kv, bound):
+    m = make_model(attn="sdpa")                 # a fresh model: bound here, or by the cache
     kv = make_kv(m)
     ids = prompts(2, 10, seed=6)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0                                        # row 1 left-padded
-    with ShmkvCache(kv, prompt_ids=ids, model=m) as past:
+    with ShmkvCache(kv, prompt_ids=ids, model=m if bound else None) as past:
         m.generate(ids, attention_mask=mask, past_key_values=past, max_new_tokens=8,
                    do_sample=False)
     # a token's K depends on the padding: neither the prompt nor the answer is published
@@ -131,10 +132,12 @@ def test_padded_batch_under_sdpa_records_nothing(make_kv):
     assert kv.check() == []
 
 
-def test_inputs_embeds_and_shifted_positions_record_nothing(model, make_kv):
+@pytest.mark.parametrize("bound", [True, False])
+def test_inputs_embeds_and_shifted_positions_record_nothing(make_kv, bound):
+    model = make_model(attn="shmkv")           # a fresh model: bound here, or by the cache
     kv = make_kv(model)
     ids = prompts(1, 9, seed=7)
-    with ShmkvCache(kv, model=model) as past:
+    with ShmkvCache(kv, prompt_ids=ids, model=model if bound else None) as past:
         out = model.generate(inputs_embeds=model.get_input_embeddings()(ids),
                              past_key_values=past, max_new_tokens=9, do_sample=False)
     assert kv.match_prefix(torch.cat([ids, out], 1)[0].numpy()) == 0

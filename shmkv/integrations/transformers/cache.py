@@ -118,9 +118,10 @@ def _hook(decoder: torch.nn.Module) -> None:
     decoder.register_forward_hook(_ids_post_hook, with_kwargs=True, always_call=True)
 
 
-def _running_decoder(cache: "ShmkvCache") -> Optional[torch.nn.Module]:
+def _running_decoder(cache: "ShmkvCache") -> Optional[Tuple[torch.nn.Module, Dict[str, Any]]]:
     """The model (a ``PreTrainedModel``) whose forward called ``update`` with ``cache`` as
-    its ``past_key_values``: the innermost such frame within a few of the caller's."""
+    its ``past_key_values`` (the innermost such frame within a few of the caller's), with
+    that frame's locals."""
     from transformers import PreTrainedModel
 
     try:
@@ -132,9 +133,23 @@ def _running_decoder(cache: "ShmkvCache") -> Optional[torch.nn.Module]:
             return None
         loc = f.f_locals
         if loc.get("past_key_values") is cache and isinstance(loc.get("self"), PreTrainedModel):
-            return loc["self"]
+            return loc["self"], loc
         f = f.f_back
     return None
+
+
+#: a forward whose ids must not be recorded
+_UNSAFE: Tuple[Any, ...] = (None, None, None, None, None)
+
+
+def _unsafe_forward(loc: Dict[str, Any]) -> bool:
+    """Whether the locals of a decoder forward show a padded batch (a 2-D mask with a
+    zero) or embeddings fed instead of ids: only a veto (a forward not bound yet is
+    otherwise recorded from ``prompt_ids``)."""
+    m = loc.get("attention_mask")
+    if isinstance(m, torch.Tensor) and m.ndim == 2 and not bool(m.all()):
+        return True
+    return "input_ids" in loc and loc["input_ids"] is None
 
 
 def _as_positions(x, n: int) -> Optional[np.ndarray]:
@@ -418,9 +433,11 @@ class ShmkvCache(Cache):
             seen, self._seen = self._seen, None     # this forward's ids: used once
             if seen is None and not self._looked:
                 self._looked = True                 # bind the model for its next forwards
-                dec = _running_decoder(self)
-                if dec is not None:
-                    _hook(dec)
+                found = _running_decoder(self)
+                if found is not None:
+                    _hook(found[0])
+                    if _unsafe_forward(found[1]):
+                        seen = _UNSAFE              # this forward records nothing
             self._begin_step(B, n, seen)
         elif not self._step_n or layer_idx != self._step_layer + 1:
             raise ValueError(f"ShmkvCache.update: layer {layer_idx} out of order (expected "
