@@ -9,10 +9,11 @@ attention function ``"shmkv"`` (``AttentionInterface``) and its mask function
 How the pieces meet (one forward of ``q_len`` tokens for ``B`` rows):
 
 * ``update(k, v, layer)`` -- layer 0 opens a *step*: each row's sequence is grown by
-  ``reserve(sid, q_len, tokens=...)`` (prompt tokens, when known, so that the blocks
-  they fill are published); every layer then scatters its K/V into those slots with one
+  ``reserve(sid, q_len, tokens=...)`` (the forward's token ids, learnt by a pre-hook on
+  the model's decoder, or the prompt's, so that the blocks they fill are published --
+  generated tokens included); every layer then scatters its K/V into those slots with one
   ``write`` (one copy, ``[B, kv_heads, q_len, dim]`` -> slots); the last layer ``commit``\\ s
-  the prompt blocks.  Under ``"shmkv"`` attention it returns the new K/V only; under any
+  the blocks the step filled.  Under ``"shmkv"`` attention it returns the new K/V only; under any
   other implementation ("sdpa", "eager", ...) it returns the whole K/V of the rows, read
   from the pools through the block tables (the one copy such an implementation needs).
 * The ``"shmkv"`` attention function runs ``cache.attention`` straight over the block
