@@ -276,13 +276,17 @@ def _samples(chat, convs, n):
     for c in picked[:n]:
         n_sys = len(chat.encode(chat.render([{"role": "system", "content": c.system}])))
         print(f"  chat {c.cid} ({SCENARIOS[c.scenario]['name']}: its {n_sys}-token system "
-              f"prompt is shared by {shared[c.scenario]} chats)")
+              f"prompt is shared by {_n(shared[c.scenario], 'chat')})")
         for r in c.turns:
             _wrapped("user", r.user)
             how = ("<|im_end|>" if r.output and r.output[-1] == chat.eos else "max_new")
             _wrapped("assistant", chat.text(r.output))
             print(f"{'':15}[r{r.rid} {r.kind}: {len(r.prompt)}-token prompt, "
                   f"{r.stats.get('hit', 0)} hit; {len(r.output)} tokens, ended at {how}]")
+
+
+def _n(n, what):
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _wrapped(who, text, width=92):

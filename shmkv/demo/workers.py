@@ -6,6 +6,10 @@ needs).  Messages parent -> worker: ``(task, request fields...)`` or ``None`` (s
 Worker -> parent: ``("ready", pid)``, ``("begin", rid)``, ``("done", rid, result)``,
 ``("handoff", rid, sid, result)``, ``("error", rid, text)``.
 
+Every ``ShmkvCache`` is bound to the model (``model=``), so it learns the ids of the tokens
+it generates and publishes the blocks they fill: a chat's next turn, served by any worker,
+hits the previous answer as well as the prompt before it.
+
 Tasks:
   ``serve``    prefill and decode one request in this process (greedy or beam search);
   ``prefill``  prefill, compute the first token, then release the sequence from its
@@ -104,7 +108,7 @@ def _serve(model, eos, kv, ShmkvCache, kind: str, prompt: list, max_new: int) ->
     t0 = time.perf_counter()
     ids = torch.tensor([prompt], dtype=torch.long)
     timer, procs = _timer()
-    with ShmkvCache(kv, prompt_ids=ids) as past:
+    with ShmkvCache(kv, prompt_ids=ids, model=model) as past:
         hit = int(past.get_seq_length())
         with torch.no_grad():
             out = model.generate(ids, past_key_values=past, logits_processor=procs,
@@ -126,7 +130,7 @@ def _prefill(model, eos, kv, ShmkvCache, prompt: list, max_new: int):
 
     t0 = time.perf_counter()
     ids = torch.tensor([prompt], dtype=torch.long)
-    past = ShmkvCache(kv, prompt_ids=ids)
+    past = ShmkvCache(kv, prompt_ids=ids, model=model)
     try:
         hit = int(past.get_seq_length())
         with torch.no_grad():
@@ -147,7 +151,7 @@ def _decode(model, eos, kv, ShmkvCache, sid: int, prompt: list, first: int, max_
     t0 = time.perf_counter()
     kv.adopt(sid)                      # ours now: freed by recovery if we die
     ids = torch.tensor([prompt + [first]], dtype=torch.long)
-    with ShmkvCache(kv, sequence_ids=[sid]) as past:
+    with ShmkvCache(kv, sequence_ids=[sid], model=model) as past:
         adopted = int(past.get_seq_length())
         rest = []
         if first != eos and max_new > 1:   # else the answer is complete already
