@@ -130,10 +130,10 @@ def run(args) -> int:
     mcfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     cfg = config_for(mcfg, num_blocks=args.num_blocks, block_size=16, max_seqs=128)
     name = f"shmkv-demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    report.header(name, cfg, mcfg, model_dir, n_workers, reqs, convs)
-    kv = KVCache.create(name, cfg)
+    kv = KVCache.create(name, cfg)    # before its name is printed: `shmkv top NAME` works
     workers = []
     try:
+        report.header(name, cfg, mcfg, model_dir, n_workers, reqs, convs)
         for wid in range(n_workers):
             parent_end, child_end = ctx.Pipe()
             role = "prefill" if wid == 0 else "serve"
