@@ -196,6 +196,11 @@ def test_next_turn_extends_the_last_token_exactly():
     assert chat.text(r1.prompt[slice(*r1.answers[0])]) == (
         "Open the self-service portal and reset it.")
     assert r1.prompt == chat.retemplated(c.messages)
+    # the report counts the answer tokens among a prompt's hits
+    from shmkv.demo.report import answer_reuse
+
+    r1.stats = {"hit": len(r0.prompt) + 5}
+    assert answer_reuse([r0, r1]) == (len(answer), 5)     # r0 unserved: not counted
     # an answer cut at max_new (no eos) gets its <|im_end|> from the template
     cut = chat.encode("Try again in")
     r1.output = cut

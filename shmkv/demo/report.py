@@ -252,12 +252,10 @@ def _turns_line(chat, convs, reqs):
             f"{total:,} of their prompt tokens are earlier answers, {hit:,} of those hits "
             f"({100 * hit / max(total, 1):.0f}%)")
     same = 0
-    for c in convs:
-        for r in c.turns[1:]:
-            if r.prompt:
-                # the history up to r: system, then user/assistant pairs, then r's message
-                msgs = c.messages[:2 * r.turn + 2]
-                same += chat.retemplated(msgs) == r.prompt
+    for r in later:
+        # the history up to r: system, then user/assistant pairs, then r's message
+        msgs = convs[r.conv].messages[:2 * r.turn + 2]
+        same += chat.retemplated(msgs) == r.prompt
     return line + (f"; re-templating the decoded history gives the same ids in {same} of "
                    f"{len(later)}")
 
