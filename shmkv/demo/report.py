@@ -11,26 +11,42 @@ demo exits 1.
 """
 from __future__ import annotations
 
+import os
 import statistics
+import textwrap
 
-from .model import SEED, words
+from .model import SCENARIOS, cut_at_eos
 from .workers import gen_kwargs
 
 NEAR_TIE = 1e-4
 
 
-def header(name, cfg, mcfg, n_workers, n_reqs, n_conv, n_sys):
+def header(name, cfg, mcfg, model_dir, n_workers, reqs, convs):
     mib = cfg.num_blocks * cfg.bytes_per_block / 2**20
     print(f"shmkv demo: {n_workers} worker processes on segment /{name}", flush=True)
-    print(f"  model    Llama, {mcfg.num_hidden_layers} layers, hidden {mcfg.hidden_size}, "
+    print(f"  model    SmolLM2-135M-Instruct (Llama, {mcfg.num_hidden_layers} layers, "
           f"{mcfg.num_attention_heads} query / {mcfg.num_key_value_heads} KV heads, vocab "
-          f"{mcfg.vocab_size}, float32; random weights from torch.manual_seed({SEED}), "
-          f"built in every process (nothing downloaded)")
+          f"{mcfg.vocab_size:,}), float32, loaded in every process from {model_dir}")
     print(f"  cache    {cfg.num_blocks} blocks x {cfg.block_size} tokens, "
           f"{cfg.bytes_per_block // 1024} KiB each ({mib:.0f} MiB), {cfg.dtype}")
-    print(f"  traffic  {n_reqs} requests: {n_conv} chat conversations over {n_sys} shared "
-          f"system prompts, each turn's prompt extends the last one")
+    turns = max(len(c.turns) for c in convs)
+    print(f"  traffic  {len(reqs)} requests: {len(convs)} chats of up to {turns} turns over "
+          f"{len(SCENARIOS)} shared system prompts (" + ", ".join(s["name"] for s in SCENARIOS)
+          + "); each turn continues from the previous answer")
     print(f"  watch it live in another terminal:  shmkv top {name}", flush=True)
+
+
+def answer_reuse(reqs):
+    """``(tokens of earlier answers in served prompts, how many of them were prefix hits)``"""
+    total = hit = 0
+    for r in reqs:
+        if "hit" not in r.stats:
+            continue
+        h = r.stats["hit"]
+        for a, b in r.answers:
+            total += b - a
+            hit += max(0, min(b, h) - a)
+    return total, hit
 
 
 def _first_diff(a, b):
@@ -40,7 +56,7 @@ def _first_diff(a, b):
     return min(len(a), len(b)) if len(a) != len(b) else None
 
 
-def check_outputs(reqs, model, Progress):
+def check_outputs(reqs, model, eos, Progress):
     """Recompute every request with DynamicCache; -> dict(equal, near_ties, mismatches)."""
     import torch
     from transformers import DynamicCache
@@ -51,12 +67,12 @@ def check_outputs(reqs, model, Progress):
         for i, r in enumerate(reqs):
             ids = torch.tensor([r.prompt], dtype=torch.long)
             kind = "beam" if r.kind == "beam" else "plain"
-            kw = gen_kwargs(kind, r.max_new, ids)
+            kw = gen_kwargs(kind, r.max_new, ids, eos)
             kw.update(return_dict_in_generate=True, output_scores=True)
             with torch.no_grad():
                 out = model.generate(ids, past_key_values=DynamicCache(config=model.config),
                                      **kw)
-            ref = out.sequences[0, len(r.prompt):].tolist()
+            ref = cut_at_eos(out.sequences[0, len(r.prompt):].tolist(), eos)
             j = _first_diff(r.output, ref)
             if j is None:
                 equal.append(r.rid)
@@ -91,7 +107,8 @@ def _median_ms(xs):
     return f"{1000 * statistics.median(xs):.0f} ms" if xs else "-"
 
 
-def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> bool:
+def results(args, kv, chat, convs, reqs, workers, victim, served, checked, st,
+            problems) -> bool:
     kinds = {"plain": 0, "handoff": 0, "beam": 0}
     for r in reqs:
         if r.output:
@@ -118,8 +135,9 @@ def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> b
                      f"{len(reserved)} re-served after the kill"),
         ("hand-off", _handoff_line(reqs)),
         ("tokens", f"{served['tokens']:,} generated in {el:.1f} s: "
-                   f"{served['tokens'] / max(el, 1e-9):,.0f} tokens/s "
-                   f"({len(workers)} processes on {_ncpu()} cores)"),
+                   f"{served['tokens'] / max(el, 1e-9):,.1f} tokens/s "
+                   f"({len(workers)} processes on {ncpu()} cores); "
+                   + _answers_line(chat, reqs)),
         ("first token", f"median {_median_ms(ttft_hit)} with a prefix hit "
                         f"({len(ttft_hit)} requests), {_median_ms(ttft_miss)} without "
                         f"({len(ttft_miss)}); from the worker taking the request"),
@@ -127,6 +145,7 @@ def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> b
                          f"({100 * hit / max(plen, 1):.0f}%), {n_hit} of "
                          f"{sum(1 for r in reqs if 'hit' in r.stats)} requests hit; "
                          f"{st['cached_blocks']} blocks still cached"),
+        ("chat turns", _turns_line(chat, convs, reqs)),
         ("blocks", f"peak {served['peak_used']} used of {st['num_blocks']}, "
                    f"peak {served['peak_shared']} shared (refcount > 1); {st['forks']} forks, "
                    f"{st['cow_copies']} copy-on-write copies"),
@@ -180,12 +199,7 @@ def results(args, kv, reqs, workers, victim, served, checked, st, problems) -> b
         for d in checked["bad"]:
             print(f"  MISMATCH r{d['rid']} at token {d['step']} (gap {d['gap']:.3g}):\n"
                   f"    ours {d['ours']}\n    ref  {d['ref']}")
-    samples = [r for r in reqs if r.output][:: max(1, len(reqs) // 3)][:3]
-    print("\nsample outputs (random weights: token ids shown as pseudo-words, not language)")
-    for r in samples:
-        print(f"  r{r.rid} conv {r.conv} turn {r.turn} ({r.kind}), prompt "
-              f"{len(r.prompt)} tokens ...{words(r.prompt[-6:], 6)}")
-        print(f"      -> {words(r.output, 14)}")
+    _samples(chat, convs, 2 if args.quick else 3)
     ok = (end_ok and not served["errors"] and "NOT" not in _handoff_line(reqs)
           and (victim is None or k is not None) and (checked is None or not checked["bad"]))
     print(f"\n{'OK' if ok else 'FAILED'}", flush=True)
@@ -216,6 +230,68 @@ def _phases(served):
     return ", ".join(parts)
 
 
+def _answers_line(chat, reqs):
+    out = [r.output for r in reqs if r.output]
+    if not out:
+        return "no answers"
+    at_eos = sum(1 for o in out if o[-1] == chat.eos)
+    return (f"{at_eos} of {len(out)} answers ended at <|im_end|>, the others at max_new; "
+            f"{statistics.mean(len(o) for o in out):.0f} tokens on average")
+
+
+def _turns_line(chat, convs, reqs):
+    """How the turns >= 2 reused the answers before them, and whether their concatenated
+    ids equal a re-templated history (the reason for concatenating: see model.py)."""
+    later = [r for r in reqs if r.turn > 0 and "hit" in r.stats]
+    if not later:
+        return "no turn >= 2 served"
+    total, hit = answer_reuse(later)
+    ptok = sum(len(r.prompt) for r in later)
+    phit = sum(r.stats["hit"] for r in later)
+    line = (f"{len(later)} turns >= 2: {phit:,} of {ptok:,} prompt tokens were hits; "
+            f"{total:,} of their prompt tokens are earlier answers, {hit:,} of those hits "
+            f"({100 * hit / max(total, 1):.0f}%)")
+    same = 0
+    for r in later:
+        # the history up to r: system, then user/assistant pairs, then r's message
+        msgs = convs[r.conv].messages[:2 * r.turn + 2]
+        same += chat.retemplated(msgs) == r.prompt
+    return line + (f"; re-templating the decoded history gives the same ids in {same} of "
+                   f"{len(later)}")
+
+
+def _samples(chat, convs, n):
+    """A few whole conversations, one per scenario while they last, wrapped."""
+    picked, seen = [], set()
+    for c in convs:
+        if c.scenario not in seen and all(r.output for r in c.turns):
+            picked.append(c)
+            seen.add(c.scenario)
+    shared = {}
+    for c in convs:
+        shared[c.scenario] = shared.get(c.scenario, 0) + 1
+    print("\nsample conversations")
+    for c in picked[:n]:
+        n_sys = len(chat.encode(chat.render([{"role": "system", "content": c.system}])))
+        print(f"  chat {c.cid} ({SCENARIOS[c.scenario]['name']}: its {n_sys}-token system "
+              f"prompt is shared by {_n(shared[c.scenario], 'chat')})")
+        for r in c.turns:
+            _wrapped("user", r.user)
+            how = ("<|im_end|>" if r.output and r.output[-1] == chat.eos else "max_new")
+            _wrapped("assistant", chat.text(r.output))
+            print(f"{'':15}[r{r.rid} {r.kind}: {len(r.prompt)}-token prompt, "
+                  f"{r.stats.get('hit', 0)} hit; {len(r.output)} tokens, ended at {how}]")
+
+
+def _n(n, what):
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _wrapped(who, text, width=92):
+    print(textwrap.fill(text or "(empty)", width=width, initial_indent=f"    {who + ':':<11}",
+                        subsequent_indent=" " * 15))
+
+
 def collections_count(it):
     d = {}
     for x in it:
@@ -223,9 +299,7 @@ def collections_count(it):
     return d
 
 
-def _ncpu():
-    import os
-
+def ncpu():
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:

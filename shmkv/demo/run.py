@@ -21,17 +21,17 @@ from multiprocessing.connection import wait
 from .. import _core
 from ..cache import KVCache
 from . import report
-from .model import build_model, llama_config, make_traffic
+from .model import Chat, load_model, make_traffic
 from .workers import worker_main
 
-PRESETS = {  # conversations, most turns, most new tokens, workers
-    "full": (40, 5, 32, 4),
-    "quick": (6, 3, 16, 3),
+PRESETS = {  # conversations, turns each, most new tokens, workers
+    "full": (12, 3, 48, 4),
+    "quick": (4, 2, 32, 3),
 }
 
 
 MAX_WAITING_HANDOFFS = 8   # detached sequences waiting for a decode worker, at most
-STALL_S = 120      # no message from any worker for this long: give up (exit 1)
+STALL_S = 300      # no message from any worker for this long: give up (exit 1)
 
 
 class Worker:
@@ -45,7 +45,7 @@ class Worker:
 
 
 class Progress:
-    """A rich progress bar on a terminal, plain lines every 2 s otherwise."""
+    """A rich progress bar on a terminal, plain lines every 5 s otherwise."""
 
     def __init__(self, total: int, what: str):
         self.total, self.what, self._rich, self._next = total, what, None, 0.0
@@ -70,7 +70,7 @@ class Progress:
             return
         now = time.monotonic()
         if force or now >= self._next:
-            self._next = now + 2.0
+            self._next = now + 5.0
             print(f"  [{now - self.t0:5.1f}s] {self.what} {done}/{self.total}  {info}",
                   flush=True)
 
@@ -94,9 +94,16 @@ def run(args) -> int:
     turns = args.turns or turns
     max_new = args.max_new or max_new
     n_workers = args.workers or n_workers
-    if n_workers < 3 or n_conv < 1 or turns < 1 or max_new < 4:
-        print("shmkv demo: needs --workers >= 3, --conversations >= 1, --turns >= 1 and "
+    if n_workers < 3 or n_conv < 1 or not 1 <= turns <= 3 or max_new < 4:
+        print("shmkv demo: needs --workers >= 3, --conversations >= 1, --turns 1 to 3 and "
               "--max-new >= 4", file=sys.stderr)
+        return 2
+    from ..models import ModelUnavailable, smollm2_dir
+
+    try:
+        model_dir = smollm2_dir()     # converted once here; every worker loads the cache
+    except ModelUnavailable as e:
+        print(f"shmkv demo: {e}", file=sys.stderr)
         return 2
     # Workers come from a fork server that imported torch and transformers once (6 s of
     # a 2-core machine's time per import): it forks each worker before any torch thread
@@ -109,22 +116,24 @@ def run(args) -> int:
 
     forkserver.ensure_running()       # it imports while this process does the same
     import torch
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from ..integrations.transformers import config_for
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
-    systems, convs = make_traffic(n_conv, turns, n_system=3, max_new=max_new,
-                                  beam_every=5, handoff_every=3)
+    chat = Chat(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+    convs = make_traffic(n_conv, turns, max_new=max_new, beam_every=5, handoff_every=3)
     reqs = [r for c in convs for r in c.turns]
-    mcfg = llama_config()
+    mcfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     cfg = config_for(mcfg, num_blocks=args.num_blocks, block_size=16, max_seqs=128)
     name = f"shmkv-demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    report.header(name, cfg, mcfg, n_workers, len(reqs), len(convs), len(systems))
-    kv = KVCache.create(name, cfg)
+    kv = KVCache.create(name, cfg)    # before its name is printed: `shmkv top NAME` works
     workers = []
     try:
+        report.header(name, cfg, mcfg, model_dir, n_workers, reqs, convs)
         for wid in range(n_workers):
             parent_end, child_end = ctx.Pipe()
             role = "prefill" if wid == 0 else "serve"
@@ -134,7 +143,7 @@ def run(args) -> int:
             child_end.close()
             workers.append(Worker(wid, role, p, parent_end))
         victim = None if args.no_kill else workers[-1]
-        served = _serve(kv, name, convs, reqs, workers, victim)
+        served = _serve(kv, name, chat, convs, reqs, workers, victim)
         t_phase["served"] = time.monotonic()
         for w in workers:
             if w.alive:
@@ -146,14 +155,15 @@ def run(args) -> int:
                 print(f"  ! request {rid} failed in a worker:\n{text}", file=sys.stderr)
         checked = None
         if not args.no_check and not served["errors"]:
-            checked = report.check_outputs(reqs, build_model("sdpa"), Progress)
+            checked = report.check_outputs(reqs, load_model("sdpa")[1], chat.eos, Progress)
         t_phase["checked"] = time.monotonic()
         served["phases"] = t_phase
         rec = kv.recover()
         served["final_recover"] = rec
         st = kv.stats()
         problems = kv.check()
-        ok = report.results(args, kv, reqs, workers, victim, served, checked, st, problems)
+        ok = report.results(args, kv, chat, convs, reqs, workers, victim, served, checked,
+                            st, problems)
         if args.hold > 0:
             print(f"holding /{name} for {args.hold:g} s (shmkv top {name})", flush=True)
             time.sleep(args.hold)
@@ -198,12 +208,10 @@ def _owned(snap, pid):
     return seqs, blocks
 
 
-def _serve(kv, name, convs, reqs, workers, victim):
+def _serve(kv, name, chat, convs, reqs, workers, victim):
     """Serve every request; returns what the report needs."""
     by_rid = {r.rid: r for r in reqs}
-    ready = collections.deque(c.turns[0] for c in convs)
-    for c in convs:
-        c.turns[0].prompt = c.prompt_for(0)
+    ready = collections.deque(c.start(chat) for c in convs)
     handoffs = collections.deque()        # (Request, sid, first) awaiting a decode worker
     done, errors = set(), []
     kill_after = max(1, len(reqs) * 2 // 5)
@@ -278,11 +286,8 @@ def _serve(kv, name, convs, reqs, workers, victim):
                     done.add(r.rid)
                     w.task = None
                     w.served += 1
-                    conv = convs[r.conv]
-                    conv.history += r.user + r.output
-                    if r.turn + 1 < len(conv.turns):
-                        nxt = conv.turns[r.turn + 1]
-                        nxt.prompt = conv.prompt_for(r.turn + 1)
+                    nxt = convs[r.conv].advance(chat, r)   # its prompt extends r's ids
+                    if nxt is not None:
                         ready.append(nxt)
                 elif msg[0] == "error":
                     errors.append((msg[1], msg[2]))
@@ -305,9 +310,10 @@ def _serve(kv, name, convs, reqs, workers, victim):
             hit = sum(r.stats.get("hit", 0) for r in reqs)
             plen = sum(r.stats.get("prompt_len", 0) for r in reqs if "hit" in r.stats)
             if t_start:
-                info = (f"{tokens / max(el, 1e-9):4.0f} tok/s  hits "
-                        f"{100 * hit / max(plen, 1):2.0f}%  blocks {snap['used_blocks']} "
-                        f"({shared} shared)")
+                ans, ans_hit = report.answer_reuse(reqs)
+                info = (f"{tokens / max(el, 1e-9):4.1f} tok/s  hits "
+                        f"{100 * hit / max(plen, 1):2.0f}% (answers {ans_hit}/{ans})  "
+                        f"blocks {snap['used_blocks']} ({shared} shared)")
             else:
                 info = f"starting workers ({n_ready} of {len(workers)} ready)"
             bar.update(len(done), info)
