@@ -2,9 +2,10 @@
 prefix reuse, hand-off).  See the package docstring for how the pieces meet."""
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
-from typing import Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -52,6 +53,94 @@ def _caller_attn_implementation() -> Optional[str]:
             return impl
         f = f.f_back
     return None
+
+
+# ---- learning the token ids of every forward ----------------------------------------------
+# ``update`` gets K/V, never the ids they were computed from.  A forward pre-hook on the
+# model's decoder (the module that takes ``input_ids`` and ``past_key_values``) hands a
+# ShmkvCache the ids, the padding mask and the positions of the forward it is about to run;
+# a forward hook (always called, also when the forward raises) takes them back.  Layer 0's
+# ``update`` uses them only when they have its shape [batch, n], the positions are the
+# cache's next n and nothing is padded: never a wrong id (a hash of wrong ids would poison
+# the host's prefix cache).  The hooks are inert for any other cache.
+_SIGNATURES: Dict[type, inspect.Signature] = {}
+
+
+def _forward_args(module: torch.nn.Module, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """The decoder forward's arguments by name (positional ones bound by its signature)."""
+    if not args:
+        return kwargs
+    sig = _SIGNATURES.get(type(module))
+    if sig is None:
+        sig = _SIGNATURES[type(module)] = inspect.signature(module.forward)
+    try:
+        return dict(sig.bind_partial(*args, **kwargs).arguments)
+    except TypeError:
+        return {}
+
+
+def _ids_pre_hook(module, args, kwargs):
+    a = _forward_args(module, args, kwargs)
+    past = a.get("past_key_values")
+    if isinstance(past, ShmkvCache):
+        past._seen = (a.get("input_ids"), a.get("attention_mask"), a.get("position_ids"),
+                      a.get("cache_position"), a.get("inputs_embeds"))
+    return None
+
+
+def _ids_post_hook(module, args, kwargs, output):
+    past = _forward_args(module, args, kwargs).get("past_key_values")
+    if isinstance(past, ShmkvCache):
+        past._seen = None
+    return None
+
+
+def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that embeds the ids: ``model.get_decoder()`` where it answers with a
+    module (a multimodal wrapper's language model then gets embeddings, not ids, and
+    nothing is recorded), else ``model`` itself."""
+    get = getattr(model, "get_decoder", None)
+    if callable(get):
+        try:
+            dec = get()
+        except Exception:
+            dec = None
+        if isinstance(dec, torch.nn.Module):
+            return dec
+    return model
+
+
+def _hook(decoder: torch.nn.Module) -> None:
+    """Registers the two hooks on ``decoder`` once (idempotent)."""
+    if any(h is _ids_pre_hook for h in decoder._forward_pre_hooks.values()):
+        return
+    decoder.register_forward_pre_hook(_ids_pre_hook, with_kwargs=True)
+    decoder.register_forward_hook(_ids_post_hook, with_kwargs=True, always_call=True)
+
+
+def _running_decoder(cache: "ShmkvCache") -> Optional[torch.nn.Module]:
+    """The model (a ``PreTrainedModel``) whose forward called ``update`` with ``cache`` as
+    its ``past_key_values``: the innermost such frame within a few of the caller's."""
+    from transformers import PreTrainedModel
+
+    try:
+        f = sys._getframe(2)
+    except ValueError:            # called from the top of a stack
+        return None
+    for _ in range(24):
+        if f is None:
+            return None
+        loc = f.f_locals
+        if loc.get("past_key_values") is cache and isinstance(loc.get("self"), PreTrainedModel):
+            return loc["self"]
+        f = f.f_back
+    return None
+
+
+def _as_positions(x, n: int) -> Optional[np.ndarray]:
+    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.shape[-1] != n:
+        return None
+    return x.detach().cpu().numpy()
 
 
 class _ShmkvLayer(CacheLayerMixin):
@@ -131,6 +220,11 @@ class ShmkvCache(Cache):
     sequence_ids : list of int, optional
         Wrap existing sequences (e.g. just ``kv.adopt(sid)``-ed by a decode worker), one
         per batch row, all of the same length: their ``seq_len`` is the cached length.
+    model : transformers model, optional
+        :meth:`bind` it: the ids of every token the cache stores (prompt and generated)
+        are learnt from the model's forwards, so every block they fill is published.
+        Without it the cache binds the model on its first forward by itself (that forward's
+        ids are then known only through ``prompt_ids``).
 
     The cache holds its sequences until :meth:`close` (or the ``with`` block, or the
     object being dropped) frees them, or :meth:`release` hands their ids back unfreed.
@@ -141,7 +235,7 @@ class ShmkvCache(Cache):
     is_compileable = False
 
     def __init__(self, kv, *, prompt_ids=None, salt=None,
-                 sequence_ids: Optional[Sequence[int]] = None):
+                 sequence_ids: Optional[Sequence[int]] = None, model=None):
         cfg = kv.config
         self.kv = kv
         self._cfg = cfg
@@ -164,6 +258,9 @@ class ShmkvCache(Cache):
         self._salt = salt
         self._closed = False
         self._mode: Optional[str] = None
+        # what the decoder's pre-hook saw of the forward now running (None outside one)
+        self._seen: Optional[Tuple[Any, ...]] = None
+        self._looked = False                # looked for the running model to bind
         super().__init__(layers=[_ShmkvLayer(self, i) for i in range(self._num_layers)])
         if sequence_ids is not None:
             sids = [int(s) for s in sequence_ids]
@@ -186,6 +283,8 @@ class ShmkvCache(Cache):
             else:
                 self._prompt = ids
                 self._start_from_prefix(ids, salt)
+        if model is not None:
+            self.bind(model)
 
     # ---- construction ------------------------------------------------------------------
     @staticmethod
@@ -225,6 +324,22 @@ class ShmkvCache(Cache):
         self._rows = sids
         self._len = m
         self._prompt_row = list(range(len(sids)))
+
+    def bind(self, model) -> "ShmkvCache":
+        """Learn token ids from ``model``'s forwards (returns ``self``).
+
+        Registers, once per model (idempotent; inert for any other cache), a forward
+        pre-hook and a forward hook on ``model.get_decoder()`` (the module that takes
+        ``input_ids`` and ``past_key_values``).  From then on each step records the ids of
+        the tokens it stores -- ``reserve(sid, n, tokens=ids)``, ``commit(sid)`` after the
+        last layer -- so the blocks generated tokens fill are published like the prompt's.
+        A forward fed ``inputs_embeds``, a padded batch (a mask with zeros) or positions
+        other than the cache's next ones records nothing (the rows then stop being
+        published: a wrong id would poison every process's prefix cache)."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        _hook(_decoder_of(model))
+        return self
 
     @property
     def mode(self) -> Optional[str]:
@@ -300,7 +415,13 @@ class ShmkvCache(Cache):
             raise ValueError("ShmkvCache: used after close() or release()")
         B, H, n, D = key_states.shape
         if layer_idx == 0:
-            self._begin_step(B, n)
+            seen, self._seen = self._seen, None     # this forward's ids: used once
+            if seen is None and not self._looked:
+                self._looked = True                 # bind the model for its next forwards
+                dec = _running_decoder(self)
+                if dec is not None:
+                    _hook(dec)
+            self._begin_step(B, n, seen)
         elif not self._step_n or layer_idx != self._step_layer + 1:
             raise ValueError(f"ShmkvCache.update: layer {layer_idx} out of order (expected "
                              f"layer {self._step_layer + 1 if self._step_n else 0})")
@@ -319,7 +440,7 @@ class ShmkvCache(Cache):
         _TLS.rec = None
         return self._full_kv(layer_idx, self._len + self._step_n, key_states.dtype)
 
-    def _begin_step(self, B: int, n: int) -> None:
+    def _begin_step(self, B: int, n: int, seen=None) -> None:
         kv = self.kv
         try:
             if self._step_n:              # the previous forward died half-way: undo it
@@ -336,9 +457,21 @@ class ShmkvCache(Cache):
                 self._select([i for i in range(R) for _ in range(B // R)])
             parts, publish = [], []
             start = self._len
+            ids = self._forward_ids(seen, B, n, start)
+            if ids is not None:           # checked before anything is reserved
+                for r in range(B):
+                    toks = self._prompt_tokens(r, start, n)
+                    if toks is not None and not np.array_equal(ids[r, :len(toks)], toks):
+                        raise ValueError(
+                            f"ShmkvCache: row {r} is fed token ids that differ from its "
+                            f"prompt_ids at positions [{start}, {start + len(toks)}): "
+                            f"expected {toks.tolist()[:16]}, got {ids[r, :len(toks)].tolist()[:16]}"
+                            f" (first 16)")
             for r, sid in enumerate(self._rows):
-                toks = self._prompt_tokens(r, start, n)
-                if toks is None:
+                toks = self._prompt_tokens(r, start, n) if ids is None else ids[r]
+                if toks is None or (seen is not None and ids is None):
+                    # unknown ids (or a forward whose ids are not safe to record): the
+                    # row stops being hashed from here on
                     parts.append(kv.reserve(sid, n))
                 else:
                     k = len(toks)
@@ -359,6 +492,33 @@ class ShmkvCache(Cache):
         self._step_n = n
         self._step_layer = -1
         self._tables = None
+
+    @staticmethod
+    def _forward_ids(seen, B: int, n: int, start: int) -> Optional[np.ndarray]:
+        """The ids ``[B, n]`` (int32) of the forward the decoder's pre-hook saw, when it is
+        safe to record them: integer ids of this step's shape, no ``inputs_embeds``, no
+        padding (a 2-D mask of ones, or none), positions ``start .. start + n - 1``."""
+        if seen is None:
+            return None
+        ids, mask, pos, cpos, embeds = seen
+        if (embeds is not None or not isinstance(ids, torch.Tensor)
+                or ids.dtype not in (torch.int64, torch.int32) or tuple(ids.shape) != (B, n)):
+            return None
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2
+                                 or mask.shape[0] != B or not bool(mask.all())):
+            return None
+        want = np.arange(start, start + n)
+        for p in (pos, cpos):
+            if p is None:
+                continue
+            a = _as_positions(p, n)        # [n], [1, n] or [B, n]
+            if (a is None or a.ndim > 2 or (a.ndim == 2 and a.shape[0] not in (1, B))
+                    or not bool((a == want).all())):
+                return None
+        out = ids.detach().cpu().numpy()
+        if out.size and (out.min() < 0 or out.max() > np.iinfo(np.int32).max):
+            return None
+        return np.ascontiguousarray(out, dtype=np.int32)
 
     def _prompt_tokens(self, row: int, start: int, n: int) -> Optional[np.ndarray]:
         """The prompt's token ids at [start, start + n) of ``row`` (only the part inside the
