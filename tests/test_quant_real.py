@@ -86,7 +86,7 @@ def test_int8_keeps_top1_on_real_text(smol, baseline):
     finally:
         kv.close()
         kv.unlink()
-    # RESULTS_quant.md: ~99% top-1, perplexity within a fraction of a percent
+    # RESULTS_quant.md: 98.2% top-1, +0.06% perplexity (2,048 tokens); here 98.8%, +0.25%
     assert top1 >= 0.95, top1
     assert abs(dppl) <= 0.02, dppl
 
@@ -156,7 +156,9 @@ def test_float8_with_calibrated_scales_on_real_text(smol, baseline):
     finally:
         kv.close()
         kv.unlink()
-    # RESULTS_quant.md (2,048 tokens): see the float8 "mse" row; on these 512 tokens
-    # the same order (measured 94-96% top-1, about +1% perplexity)
-    assert top1 >= 0.92, top1
-    assert dppl <= 0.025, dppl
+    # RESULTS_quant.md, 2,048 tokens, amax/448: top-1 93.0%, perplexity +2.0%; on these 512
+    # tokens 93.7% and +1.5%.  Scales only move values along e4m3's grid: random ones
+    # between amax/448 and 2 amax/448 gave -1.5% to +3.1% here, so the bound on perplexity
+    # leaves room for another ISA's rounding; top-1 moves far less.
+    assert top1 >= 0.91, top1
+    assert dppl <= 0.035, dppl
