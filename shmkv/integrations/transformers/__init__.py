@@ -35,10 +35,11 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import ATTN_IMPLEMENTATION, shmkv_attention_forward, shmkv_mask
 from .cache import ShmkvCache
+from .calibrate import calibrate_kv_scales
 from .config import config_for
 
-__all__ = ["ShmkvCache", "config_for", "shmkv_attention_forward", "shmkv_mask",
-           "ATTN_IMPLEMENTATION"]
+__all__ = ["ShmkvCache", "calibrate_kv_scales", "config_for", "shmkv_attention_forward",
+           "shmkv_mask", "ATTN_IMPLEMENTATION"]
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, shmkv_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, shmkv_mask)
