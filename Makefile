@@ -107,5 +107,5 @@ debug: $(DEPS)
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
 
 clean:
-	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .pytest_cache .hypothesis .mypy_cache
+	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .cython .pytest_cache .hypothesis .mypy_cache
 	rm -rf $(VENV)

@@ -9,9 +9,18 @@ of ``kernels/*.h`` (through ``_core.pxd``) and binds their debug switches to ``_
 at import.  ``shmkv._attention`` is the paged-attention kernel (``kernels/attention.c``)
 with its wrapper.  ``SHMKV_DEBUG=1`` builds the debug variant: C asserts and the
 ``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
+
+The generated C of each variant lives apart (``.cython/{release,debug}``: a change
+of directives never reuses the other variant's C); ``SHMKV_CYTHON_FORCE=1`` regenerates
+it whatever the timestamps (make debug, sanitize and coverage set it).
+``SHMKV_EXTRA_CFLAGS`` / ``SHMKV_EXTRA_LDFLAGS`` (split on spaces) are appended after the
+project's own flags, so they win over them (make sanitize: ``-O1 -fsanitize=...
+-fno-wrapv``; Python's CFLAGS carry ``-fwrapv``, which would turn UBSan's signed-overflow
+checks off).  The compiler is the usual ``CC``.
 """
 import glob
 import os
+import shlex
 
 import numpy
 from Cython.Build import cythonize
@@ -34,6 +43,8 @@ if DEBUG:
     cflags += ["-O0", "-g", "-DSHMKV_DEBUG=1", "-UNDEBUG"]
 else:
     cflags += ["-O2", "-DNDEBUG"]
+cflags += shlex.split(os.environ.get("SHMKV_EXTRA_CFLAGS", ""))
+ldflags = shlex.split(os.environ.get("SHMKV_EXTRA_LDFLAGS", ""))
 
 KERNELS = sorted(h for h in glob.glob("shmkv/kernels/*.h") if "attention" not in h)
 PXD = ["shmkv/_layout.pxd", "shmkv/_core.pxd"]
@@ -53,6 +64,7 @@ def _module(name, pxds):
         include_dirs=["shmkv", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=cflags,
+        extra_link_args=ldflags,
         libraries=["rt", "pthread"],
         depends=["shmkv/_layout.h"] + PXD + [f"shmkv/{p}.pxd" for p in pxds] + KERNELS,
     )
@@ -65,9 +77,12 @@ attention = Extension(
     include_dirs=["shmkv", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=cflags,
+    extra_link_args=ldflags,
     libraries=["m", "pthread"],
     depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h"] + PXD,
 )
 
 setup(ext_modules=cythonize([_module(n, p) for n, p in CHAIN] + [attention],
-                            compiler_directives=directives, gdb_debug=False, annotate=False))
+                            compiler_directives=directives, gdb_debug=False, annotate=False,
+                            build_dir=os.path.join(".cython", "debug" if DEBUG else "release"),
+                            force=os.environ.get("SHMKV_CYTHON_FORCE", "") not in ("", "0")))
