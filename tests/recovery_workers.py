@@ -59,5 +59,5 @@ def attach_with_recovery(name, timeout, out_q):
     took = time.monotonic() - t0
     listed = any(p["pid"] == me for p in _core.snapshot(name)["processes"])
     with shmkv.KVCache.attach(name, recover=False) as c:
-        plain = c.stats().num_processes
+        plain = c.stats()["num_processes"]
     out_q.put((err, listed, plain, took))

@@ -237,5 +237,5 @@ def test_attach_fails_when_its_recovery_pass_fails(cache, procs):
     assert took < 8, f"the recovery's lock wait is bounded by attach's timeout ({took:.1f} s)"
     assert not listed, "a failed attach left its process in the table"
     assert plain == 2                               # this process and the recover=False one
-    assert cache.stats().num_processes == 1
+    assert cache.stats()["num_processes"] == 1
     assert cache.check() == []
