@@ -18,6 +18,10 @@ from shmkv import _core
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
 CHAOS = os.path.join(TOOLS, "chaos")           # the package; python runs its __main__
+# make sanitize sets it: instrumented workers run a few times slower, so a planted bug's
+# short run lasts that much longer to see as many operations (tools/chaos scales its time
+# bounds by it too)
+SLOW = float(os.environ.get("SHMKV_TIME_SCALE") or 1.0)
 
 
 def run_chaos(tmp_path, *args, timeout=300):
@@ -105,8 +109,8 @@ def test_chaos_catches_planted_bug(tmp_path, bug):
     # within seconds, not certain, so that one gets a second run.
     attempts = 2 if bug == "early_publish" else 1
     for _ in range(attempts):
-        proc, r = run_chaos(tmp_path, "--duration", "8", "--phase", "0", "--plant", bug,
-                            "--max-duration", "8")
+        proc, r = run_chaos(tmp_path, "--duration", f"{8 * SLOW:g}", "--phase", "0",
+                            "--plant", bug, "--max-duration", f"{8 * SLOW:g}")
         assert r is not None, _explain(proc)
         if r["caught"]:
             break
