@@ -10,9 +10,10 @@ at import.  ``shmkv._attention`` is the paged-attention kernel (``kernels/attent
 with its wrapper.  ``SHMKV_DEBUG=1`` builds the debug variant: C asserts and the
 ``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
 
-The generated C of each variant lives apart (``.cython/{release,debug}``: a change
-of directives never reuses the other variant's C); ``SHMKV_CYTHON_FORCE=1`` regenerates
-it whatever the timestamps (make debug, sanitize and coverage set it).
+The generated C (``shmkv/_*.c``) is of one variant at a time, named in ``.cython-variant``:
+a build of the other variant regenerates it (cythonize compares only timestamps, and a
+change of directives does not count); ``SHMKV_CYTHON_FORCE=1`` regenerates it whatever
+(make debug, sanitize and coverage set it).
 ``SHMKV_EXTRA_CFLAGS`` / ``SHMKV_EXTRA_LDFLAGS`` (split on spaces) are appended after the
 project's own flags, so they win over them (make sanitize: ``-O1 -fsanitize=...
 -fno-wrapv``; Python's CFLAGS carry ``-fwrapv``, which would turn UBSan's signed-overflow
@@ -82,7 +83,15 @@ attention = Extension(
     depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h"] + PXD,
 )
 
-setup(ext_modules=cythonize([_module(n, p) for n, p in CHAIN] + [attention],
-                            compiler_directives=directives, gdb_debug=False, annotate=False,
-                            build_dir=os.path.join(".cython", "debug" if DEBUG else "release"),
-                            force=os.environ.get("SHMKV_CYTHON_FORCE", "") not in ("", "0")))
+VARIANT, STAMP = ("debug" if DEBUG else "release"), ".cython-variant"
+try:
+    with open(STAMP) as f:
+        same = f.read().strip() == VARIANT
+except OSError:
+    same = False
+force = not same or os.environ.get("SHMKV_CYTHON_FORCE", "") not in ("", "0")
+modules = cythonize([_module(n, p) for n, p in CHAIN] + [attention], compiler_directives=directives,
+                    gdb_debug=False, annotate=False, force=force)
+with open(STAMP, "w") as f:
+    f.write(VARIANT + "\n")
+setup(ext_modules=modules)
