@@ -10,7 +10,7 @@ SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typ
 PYTEST_ARGS ?=
 
 .PHONY: all install model demo test bench bench-deps bench-quick lint debug chaos fuzz clean \
-	redis cluster cluster-stop two-hosts bench-tier
+	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage
 
 all: install
 
@@ -106,13 +106,69 @@ lint: install
 	$(VENV)/bin/mypy --strict tests/typecheck/api_usage.py
 	cd /tmp && $(abspath $(PY)) -m mypy.stubtest --allowlist $(abspath tests/typecheck/stubtest_allowlist.txt) $(STUBBED)
 
-# The whole suite against a debug build: C asserts, SHMKV_DEBUG blocks, bounds checks.
+# The whole suite against a debug build: C asserts, SHMKV_DEBUG blocks, bounds checks
+# (the Cython C regenerated every time: SHMKV_CYTHON_FORCE).
 debug: $(DEPS)
 	rm -rf build
-	SHMKV_DEBUG=1 $(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
+	SHMKV_DEBUG=1 SHMKV_CYTHON_FORCE=1 $(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
 	rm -f $(BUILT)
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
 
+# ---- ASan + UBSan, the C fuzzer, coverage (issue 22) -----------------------------------
+# make sanitize: the extension built by clang with ASan + UBSan (-fno-wrapv; flags after
+# the project's), then the whole suite, a short chaos run and a fuzz run with the ASan
+# runtime preloaded into python; any sanitizer report fails the target (tools/sanitize/san;
+# reports under $(SAN_LOG)).  It leaves the instrumented build installed: the next
+# `make install` rebuilds the release one.
+SAN := tools/sanitize/san
+SAN_LOG ?= /tmp/shmkv-sanitize
+export SAN_LOG
+SAN_CHAOS_ARGS ?= --workers 4 --duration 30 --max-duration 120 --min-kills 100 --min-per-point 2
+SAN_FUZZ_ARGS ?= --count 10000 --batch 2500
+
+sanitize: $(DEPS) redis
+	$(SAN) build $(PY)
+	rm -f $(BUILT)
+	$(SAN) run $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(SAN) run $(PY) tools/chaos $(SAN_CHAOS_ARGS)
+	$(SAN) run $(PY) tools/fuzz_attach.py $(SAN_FUZZ_ARGS)
+
+# make fuzz-c DURATION=seconds: libFuzzer over the C code that reads an untrusted segment
+# (fuzz/segment_fuzz.c, built with ASan + UBSan), from the seeds of fuzz/make_corpus.py;
+# the corpus it grows stays in $(FUZZ_DIR)/corpus (a crashing input: $(FUZZ_DIR)/crash-*).
+DURATION ?= 60
+FUZZ_DIR := .fuzz
+FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined \
+	-fno-sanitize-recover=undefined -fno-wrapv -std=gnu11 -Wall -Wno-unused-function
+
+fuzz-c: install
+	mkdir -p $(FUZZ_DIR)/corpus
+	cc=$$($(SAN) cc) && $$cc $(FUZZ_FLAGS) -I shmkv fuzz/segment_fuzz.c -o $(FUZZ_DIR)/segment_fuzz -lpthread -lrt
+	rm -rf $(FUZZ_DIR)/seeds && $(PY) fuzz/make_corpus.py $(FUZZ_DIR)/seeds
+	maxlen=$$(wc -c $(FUZZ_DIR)/seeds/* | sort -n | tail -2 | head -1 | awk '{print $$1}') && \
+	$(FUZZ_DIR)/segment_fuzz -max_total_time=$(DURATION) -max_len=$$maxlen -print_final_stats=1 \
+		-artifact_prefix=$(FUZZ_DIR)/ -timeout=10 -rss_limit_mb=4096 $(FUZZ_DIR)/corpus $(FUZZ_DIR)/seeds
+
+# make coverage: the extension built by gcc with --coverage (-O0), the whole suite (time
+# bounds of chaos x3: -O0 is slower), then gcovr over the C kernels (shmkv/kernels/): a
+# summary here, per-line HTML, and the functions least covered
+# (tools/sanitize/cov_functions.py) in $(COV_DIR)/; the report is written even when a test
+# failed, and the target then fails.
+COV_DIR := .coverage-c
+coverage: $(DEPS) redis
+	$(PIP) install -q "gcovr==8.8"
+	rm -rf build $(COV_DIR) && mkdir -p $(COV_DIR)
+	SHMKV_CYTHON_FORCE=1 SHMKV_EXTRA_CFLAGS="-O0 --coverage -fprofile-abs-path" SHMKV_EXTRA_LDFLAGS="--coverage" \
+		$(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
+	rm -f $(BUILT)
+	SHMKV_TIME_SCALE=3 $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests; st=$$?; \
+	$(VENV)/bin/gcovr -r . --object-directory build --filter 'shmkv/kernels/' \
+		--exclude-unreachable-branches --txt $(COV_DIR)/summary.txt \
+		--html-details $(COV_DIR)/index.html --json $(COV_DIR)/coverage.json --print-summary && \
+	cat $(COV_DIR)/summary.txt && \
+	$(PY) tools/sanitize/cov_functions.py $(COV_DIR)/coverage.json | tee $(COV_DIR)/functions.txt; \
+	exit $$st
+
 clean:
-	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .pytest_cache .hypothesis .mypy_cache
+	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .cython-variant .fuzz .coverage-c .pytest_cache .hypothesis .mypy_cache
 	rm -rf $(VENV)

@@ -9,9 +9,19 @@ of ``kernels/*.h`` (through ``_core.pxd``) and binds their debug switches to ``_
 at import.  ``shmkv._attention`` is the paged-attention kernel (``kernels/attention.c``)
 with its wrapper.  ``SHMKV_DEBUG=1`` builds the debug variant: C asserts and the
 ``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
+
+The generated C (``shmkv/_*.c``) is of one variant at a time, named in ``.cython-variant``:
+a build of the other variant regenerates it (cythonize compares only timestamps, and a
+change of directives does not count); ``SHMKV_CYTHON_FORCE=1`` regenerates it whatever
+(make debug, sanitize and coverage set it).
+``SHMKV_EXTRA_CFLAGS`` / ``SHMKV_EXTRA_LDFLAGS`` (split on spaces) are appended after the
+project's own flags, so they win over them (make sanitize: ``-O1 -fsanitize=...
+-fno-wrapv``; Python's CFLAGS carry ``-fwrapv``, which would turn UBSan's signed-overflow
+checks off).  The compiler is the usual ``CC``.
 """
 import glob
 import os
+import shlex
 
 import numpy
 from Cython.Build import cythonize
@@ -34,6 +44,8 @@ if DEBUG:
     cflags += ["-O0", "-g", "-DSHMKV_DEBUG=1", "-UNDEBUG"]
 else:
     cflags += ["-O2", "-DNDEBUG"]
+cflags += shlex.split(os.environ.get("SHMKV_EXTRA_CFLAGS", ""))
+ldflags = shlex.split(os.environ.get("SHMKV_EXTRA_LDFLAGS", ""))
 
 KERNELS = sorted(h for h in glob.glob("shmkv/kernels/*.h") if "attention" not in h)
 PXD = ["shmkv/_layout.pxd", "shmkv/_core.pxd"]
@@ -53,6 +65,7 @@ def _module(name, pxds):
         include_dirs=["shmkv", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=cflags,
+        extra_link_args=ldflags,
         libraries=["rt", "pthread"],
         depends=["shmkv/_layout.h"] + PXD + [f"shmkv/{p}.pxd" for p in pxds] + KERNELS,
     )
@@ -65,9 +78,20 @@ attention = Extension(
     include_dirs=["shmkv", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=cflags,
+    extra_link_args=ldflags,
     libraries=["m", "pthread"],
     depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h"] + PXD,
 )
 
-setup(ext_modules=cythonize([_module(n, p) for n, p in CHAIN] + [attention],
-                            compiler_directives=directives, gdb_debug=False, annotate=False))
+VARIANT, STAMP = ("debug" if DEBUG else "release"), ".cython-variant"
+try:
+    with open(STAMP) as f:
+        same = f.read().strip() == VARIANT
+except OSError:
+    same = False
+force = not same or os.environ.get("SHMKV_CYTHON_FORCE", "") not in ("", "0")
+modules = cythonize([_module(n, p) for n, p in CHAIN] + [attention], compiler_directives=directives,
+                    gdb_debug=False, annotate=False, force=force)
+with open(STAMP, "w") as f:
+    f.write(VARIANT + "\n")
+setup(ext_modules=modules)

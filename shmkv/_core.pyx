@@ -427,15 +427,31 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
         with _attach_lock:
             _attachments[key] = att
         if recover:
-            # recovery on attach: whatever dead processes left behind is reclaimed now
-            pool_lock(&att.ctx)
+            # recovery on attach: whatever dead processes left behind is reclaimed now.
+            # Its lock waits are bounded by `timeout` too.  A pass that fails (a lock not
+            # had in time: LockTimeout; no memory: OSError; SegmentError) fails the
+            # attach: this process leaves the table again, nothing stays attached, and the
+            # caller knows the derived state was not rebuilt (recover=False skips the pass)
+            saved = att.ctx.timeout_ns
+            if timeout * 1e9 < saved:
+                att.ctx.timeout_ns = <int64_t>(max(timeout, 0.001) * 1e9)
             try:
-                st = shmkv_recover_locked(&att.ctx, &r)
+                pool_lock(&att.ctx)
+                try:
+                    st = shmkv_recover_locked(&att.ctx, &r)
+                finally:
+                    shmkv_pool_unlock(&att.ctx)
+                if st != SHMKV_OK:
+                    raise_status(st, f"attach {name}: the recovery pass failed")
+            except BaseException:
+                fd = -1                 # the attachment's now: release() closes it
+                att.release()
+                raise
             finally:
-                shmkv_pool_unlock(&att.ctx)
+                att.ctx.timeout_ns = saved
         return att
     except BaseException:
-        if m is None or not (att is not None and att.fd == fd):
+        if fd >= 0 and (m is None or not (att is not None and att.fd == fd)):
             try:
                 os.close(fd)
             except OSError:

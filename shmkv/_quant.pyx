@@ -273,7 +273,9 @@ cdef class QuantOps(SequenceOps):
 
 def _force_quant_isa(name):
     """Test hook: the quantizers' path, "scalar" (portable C) or "avx2" (if the CPU has
-    it), or None for the best.  Returns the path now in use."""
+    it), or None for the best.  Returns the path now in use (read back from the switch
+    the dispatch reads)."""
+    global shmkv_q_isa      # quant.h's switch (without this, Cython makes a local of it)
     if name is None:
         shmkv_q_isa = -1
     elif name == "scalar":

@@ -1,5 +1,6 @@
 """Worker functions for tests/test_recovery.py (spawned processes import this module)."""
 import os
+import time
 
 import numpy as np
 
@@ -42,3 +43,21 @@ def own_and_exit(name, q, detach_one):
     q.close()
     q.join_thread()      # the message is out before we go
     os._exit(0)          # no close(): like a crash after the work
+
+
+def attach_with_recovery(name, timeout, out_q):
+    """Attaches (recovery on) with a short timeout; reports the exception's type name
+    (or None), whether this process stayed in the process table after it, and whether
+    an attach without recovery then works."""
+    me = os.getpid()
+    t0 = time.monotonic()
+    try:
+        shmkv.KVCache.attach(name, timeout=timeout).close()
+        err = None
+    except Exception as e:                          # reported, checked by the test
+        err = type(e).__name__
+    took = time.monotonic() - t0
+    listed = any(p["pid"] == me for p in _core.snapshot(name)["processes"])
+    with shmkv.KVCache.attach(name, recover=False) as c:
+        plain = c.stats()["num_processes"]
+    out_q.put((err, listed, plain, took))

@@ -18,6 +18,10 @@ from shmkv import _core
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
 CHAOS = os.path.join(TOOLS, "chaos")           # the package; python runs its __main__
+# make sanitize sets it: instrumented workers run a few times slower, so a planted bug's
+# short run lasts longer (up to 3x) to see as many operations (tools/chaos scales its time
+# bounds by it)
+SLOW = float(os.environ.get("SHMKV_TIME_SCALE") or 1.0)
 
 
 def run_chaos(tmp_path, *args, timeout=300):
@@ -104,10 +108,12 @@ def test_chaos_catches_planted_bug(tmp_path, bug):
     # An early publish is only visible to a reader (or a death) inside the few
     # microseconds between the early store and the copy: aimed readers make that likely
     # within seconds, not certain, so that one gets a second run.
-    attempts = 2 if bug == "early_publish" else 1
+    # (under sanitizers, fewer operations per second: twice the attempts)
+    attempts = (2 if bug == "early_publish" else 1) * (2 if SLOW > 1 else 1)
     for _ in range(attempts):
-        proc, r = run_chaos(tmp_path, "--duration", "8", "--phase", "0", "--plant", bug,
-                            "--max-duration", "8")
+        dur = f"{8 * min(SLOW, 3):g}"
+        proc, r = run_chaos(tmp_path, "--duration", dur, "--phase", "0", "--plant", bug,
+                            "--max-duration", dur)
         assert r is not None, _explain(proc)
         if r["caught"]:
             break
@@ -134,8 +140,9 @@ def test_chaos_catches_sabotage(tmp_path, sabotage, kinds):
 
 
 def test_expect_failure_inverts_the_verdict(tmp_path):
-    proc, r = run_chaos(tmp_path, "--duration", "4", "--phase", "0", "--plant", "no_cow",
-                        "--expect-failure", "--max-duration", "4")
+    dur = f"{4 * min(SLOW, 3):g}"
+    proc, r = run_chaos(tmp_path, "--duration", dur, "--phase", "0", "--plant", "no_cow",
+                        "--expect-failure", "--max-duration", dur)
     assert proc.returncode == 0, _explain(proc)
     assert "CAUGHT" in proc.stdout and r["caught"]
 

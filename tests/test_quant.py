@@ -557,3 +557,115 @@ def test_int8_tiny_rows_keep_their_values(make_cache, qisa):
     assert (np.abs(gk[:, 0] - k[:, 0]) <= s / 2 * (1 + 1e-5)).all()
     assert (qk[:, 2] == 0).all() and (sk[:, 2] == 0).all() and (gk[:, 2] == 0).all()
     assert cache.check() == []
+
+
+def test_force_quant_isa_switches_the_dispatch():
+    """The hook sets the switch the quantizers' dispatch reads (it used to assign a Cython
+    local, so "scalar" left the AVX2 path in use and the portable one never ran here)."""
+    try:
+        assert _quant._force_quant_isa("scalar") == "scalar"
+        try:
+            assert _quant._force_quant_isa("avx2") == "avx2"
+        except ValueError:
+            pass                                    # no AVX2 + F16C: scalar is all there is
+        assert _quant._force_quant_isa("scalar") == "scalar"
+    finally:
+        _quant._force_quant_isa(None)
+
+
+def _ref_i8(x):
+    """An independent int8 quantizer (numpy, float32 arithmetic like the kernel's; the
+    inverse in float64 where 127 / amax overflows float32): codes and scales."""
+    x = x.astype(np.float32)
+    amax = np.abs(x).max(-1)
+    s = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(all="ignore"):                 # inf inverses of tiny rows, replaced below
+        inv32 = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        q = np.rint(x * inv32[..., None])
+    tiny = (amax > 0) & ~np.isfinite(inv32)
+    inv64 = np.where(tiny & (s > 0), 127.0 / np.where(tiny, amax, 1).astype(np.float64), 0.0)
+    q = np.where(tiny[..., None], np.rint(x.astype(np.float64) * inv64[..., None]), q)
+    return np.clip(q, -127, 127).astype(np.int8), s
+
+
+def _ref_e4m3(x, scale):
+    """An independent e4m3fn quantizer: x / scale (times the float32 inverse, as the
+    kernel does), saturated to +-448, rounded to nearest even by ml_dtypes."""
+    with np.errstate(over="ignore"):                # saturates to 448 below, as the kernel
+        y = x.astype(np.float32) * np.float32(np.float32(1) / np.float32(scale))
+    return np.clip(y, -448, 448).astype(E4M3).view(np.uint8)
+
+
+def _row_classes(shape, f16, rng):
+    """K with one row class per (token, head): normal with outliers, zero, tiny (scale
+    near or below float32's smallest normal, float32 input only), huge, saturating."""
+    layers, n, heads, d = shape
+    base = np.linspace(-1, 1, d, dtype=np.float32)
+    x = rng.standard_normal(shape).astype(np.float32)
+    mags = [1.0, 0.0, 6e4, 3e-3] + ([] if f16 else [1e-38, 1e-41, 1e-44, 3e38])
+    for t in range(n):
+        for h in range(heads):
+            m = mags[(t * heads + h) % len(mags)]
+            if m != 1.0:
+                x[:, t, h] = base * np.float32(m)
+    x[0, 0, 0, : min(d, 4)] = [1e-9, -3e-3, 500.0, -6e4][: min(d, 4)]
+    return x.astype(np.float16) if f16 else x
+
+
+@pytest.mark.parametrize("head_dim", [8, 12, 7, 64])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_portable_and_vector_quantizers_agree_with_a_reference(make_cache, dtype, head_dim):
+    """Both quantizer paths, forced in turn, on every row class (normal, zero, tiny,
+    huge, saturating; NaN/inf refused), float32 and float16 input, head_dim % 8 == 0
+    (either path) or not (portable only): the same codes and scales as each other and
+    as an independent numpy (int8) / ml_dtypes (e4m3) computation.  A row with a NaN or
+    inf raises before anything is written on both paths (the portable path used to cast
+    the NaN to int8 first: undefined behaviour that make sanitize reports)."""
+    cache = make_cache(dtype=dtype, head_dim=head_dim, num_kv_heads=2, block_size=4,
+                       num_blocks=128)
+    cfg = cache.config
+    if dtype == "float8_e4m3":
+        cache.set_kv_scales(1, 0.25, 3.0)
+    rng = np.random.default_rng(head_dim)
+    paths = ["scalar", "avx2"]
+    try:
+        for f16 in (False, True):
+            k = _row_classes((cfg.num_layers, 16, cfg.num_kv_heads, head_dim), f16, rng)
+            v = -k[:, ::-1].copy()
+            got = {}
+            for path in paths:
+                try:
+                    assert _quant._force_quant_isa(path) == path
+                except ValueError:
+                    continue                        # no AVX2 + F16C on this CPU
+                sid = cache.create_sequence()
+                cache.append(sid, k, v)
+                got[path] = raw = cache.gather(sid, raw=True)
+                for x, codes, kind in ((k, raw[0], "k"), (v, raw[1], "v")):
+                    if dtype == "int8":
+                        q, s = _ref_i8(x)
+                        assert (codes == q).all(), (path, f16, kind)
+                        sc = raw[2] if kind == "k" else raw[3]
+                        assert _same_bits(sc, s), (path, f16, kind)
+                    else:
+                        for layer in range(cfg.num_layers):
+                            ks, vs = cache.key_scales(layer), cache.value_scales(layer)
+                            for h in range(cfg.num_kv_heads):
+                                sc = (ks if kind == "k" else vs)[h]
+                                want = _ref_e4m3(x[layer, :, h], sc)
+                                assert (codes[layer, :, h].view(np.uint8) == want).all(), \
+                                    (path, f16, kind, layer, h)
+                for bad in (np.nan, np.inf, -np.inf):
+                    kb = k.copy()
+                    kb[1, 5, 1, head_dim - 1] = bad
+                    sid2 = cache.create_sequence()
+                    with pytest.raises(ValueError):
+                        cache.append(sid2, kb, v)
+                    assert cache.seq_len(sid2) == 0
+                    cache.free(sid2)
+            if len(got) == 2:
+                for a, b in zip(got["scalar"], got["avx2"]):
+                    assert a.view(np.uint8).tobytes() == b.view(np.uint8).tobytes()
+    finally:
+        _quant._force_quant_isa(None)
+    assert cache.check() == []

@@ -202,3 +202,40 @@ def _raw(cache):
     while getattr(base, "base", None) is not None:
         base = base.base
     return memoryview(base)
+
+
+def test_attach_fails_when_its_recovery_pass_fails(cache, procs):
+    """A live process stuck inside a fast path (its cache_lock held: planted here in this
+    process's own slot, which stays alive) keeps the recovery pass of a later attach from
+    quiescing.  That attach used to succeed anyway, with the derived state not rebuilt;
+    now it raises LockTimeout within its timeout, and leaves nothing behind (the process
+    is not in the table); an attach with recover=False still works."""
+    import struct
+
+    me = [p for p in _core.snapshot(cache.name)["processes"] if p["pid"] == os.getpid()][0]
+    proc = _core.struct_layout()["proc"]
+    off = (_core.layout_of(cache.config)["off_procs"] + proc["size"] * me["slot"]
+           + proc["fields"]["cache_lock"][0])
+    path = os.path.join("/dev/shm", cache.name.lstrip("/"))
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(struct.pack("<Q", (me["gen"] << 32) | (me["slot"] + 1)))
+    try:
+        q = ctx.Queue()
+        p = ctx.Process(target=__import__("recovery_workers").attach_with_recovery,
+                        args=(cache.name, 0.5, q))
+        p.start()
+        procs.append(p)
+        err, listed, plain, took = q.get(timeout=120)
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    finally:
+        with open(path, "r+b") as f:
+            f.seek(off)
+            f.write(struct.pack("<Q", 0))
+    assert err == "LockTimeout"
+    assert took < 8, f"the recovery's lock wait is bounded by attach's timeout ({took:.1f} s)"
+    assert not listed, "a failed attach left its process in the table"
+    assert plain == 2                               # this process and the recover=False one
+    assert cache.stats()["num_processes"] == 1
+    assert cache.check() == []

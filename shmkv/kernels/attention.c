@@ -1,11 +1,13 @@
 /*
  * kernels/attention.c -- the paged-attention kernel: work split, thread pool, ISA dispatch.
  * See attention.h for the contract.  The per-ISA inner loops are attention_isa.h, compiled
- * three times below (scalar, AVX2+F16C+FMA, AVX-512 F/BW/VL+F16C) under GCC target pragmas;
+ * three times below (scalar, AVX2+F16C+FMA, AVX-512 F/BW/VL+F16C) under GCC target pragmas
+ * (clang: `#pragma clang attribute` target attributes, since clang ignores GCC's);
  * the path is chosen at run time from the CPU's features (SHMKV_ATTN_ISA forces one).
  */
 #define _GNU_SOURCE 1
 #include "attention.h"
+#include "cpu.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -132,23 +134,39 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SHMKV_HAVE_X86 1
+#if defined(__clang__)     /* clang ignores GCC target pragmas: an attribute on each function */
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#endif
 #define SHMKV_ISA_SUFFIX avx2
 #undef SHMKV_ISA_PASS
 #define SHMKV_ISA_PASS 1
 #include "attention_isa.h"
 #undef SHMKV_ISA_SUFFIX
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#endif
 #define SHMKV_ISA_SUFFIX avx512
 #undef SHMKV_ISA_PASS
 #define SHMKV_ISA_PASS 2
 #include "attention_isa.h"
 #undef SHMKV_ISA_SUFFIX
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #else
 #define SHMKV_HAVE_X86 0
 #endif
@@ -162,10 +180,10 @@ int shmkv_attn_cpu_isa(void) {
 #if SHMKV_HAVE_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("avx512vl") && shmkv_cpu_has_f16c() &&
         __builtin_cpu_supports("fma"))
         return SHMKV_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+    if (__builtin_cpu_supports("avx2") && shmkv_cpu_has_f16c() &&
         __builtin_cpu_supports("fma"))
         return SHMKV_ISA_AVX2;
 #endif

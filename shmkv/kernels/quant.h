@@ -25,6 +25,8 @@
 
 #include <math.h>
 
+#include "cpu.h"
+
 /* ---- scalar codecs -------------------------------------------------------------------- */
 static inline float shmkv_bits_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 static inline uint32_t shmkv_f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
@@ -85,7 +87,7 @@ static inline int shmkv_quant_isa(void) {
         shmkv_q_isa = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
         __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) shmkv_q_isa = 1;
+        if (__builtin_cpu_supports("avx2") && shmkv_cpu_has_f16c()) shmkv_q_isa = 1;
 #endif
     }
     return shmkv_q_isa;
@@ -95,14 +97,15 @@ static inline int shmkv_quant_isa(void) {
 /* A row whose largest |x| is so small (< ~3.7e-37) that 127 / amax overflows float: the
  * inverse in double.  A scale that rounds to 0 (amax < ~1.8e-43) gets codes 0, so the row
  * reads back as 0 (an error below 1e-43) and loads elsewhere byte for byte.  Both paths
- * call it, so they give the same codes. */
+ * call it, so they give the same codes.  The AVX2 path may call it on a row holding a NaN
+ * (its max ignores NaN lanes): that element gets code 0, never a cast of NaN. */
 static void shmkv_q_i8_tiny(const void *x, int f16, uint64_t r, uint32_t d, int8_t *qr,
                             float amax, float s) {
     const double inv = s > 0.0f ? 127.0 / (double)amax : 0.0;
     for (uint32_t i = 0; i < d; i++) {
         double v = nearbyint((double)shmkv_q_src(x, f16, r * d + i) * inv);
         v = v > 127.0 ? 127.0 : v < -127.0 ? -127.0 : v;
-        qr[i] = (int8_t)v;
+        qr[i] = v == v ? (int8_t)v : 0;     /* NaN: no code (the call fails: see callers) */
     }
 }
 #define SHMKV_Q_TINY(amax) ((amax) > 0.0f && !(127.0f / (amax) < INFINITY))
@@ -121,6 +124,9 @@ static int shmkv_quant_i8_c(const void *x, int f16, uint64_t rows, uint32_t d, i
             bad += v - v;                                   /* NaN iff any inf/NaN */
             amax = a > amax ? a : amax;
         }
+        /* a row with a NaN/inf fails the call here, before any code is made: the casts
+         * below would turn a NaN (or inf * 0) into an int8 (undefined behaviour) */
+        if (bad != 0.0f) return SHMKV_EINVAL;
         s[r] = amax / 127.0f;
         if (SHMKV_Q_TINY(amax)) {
             shmkv_q_i8_tiny(x, f16, r, d, qr, amax, s[r]);
@@ -133,7 +139,7 @@ static int shmkv_quant_i8_c(const void *x, int f16, uint64_t rows, uint32_t d, i
             qr[i] = (int8_t)v;
         }
     }
-    return bad == 0.0f ? SHMKV_OK : SHMKV_EINVAL;
+    return SHMKV_OK;
 }
 
 /* float8 e4m3fn: x [layers][n][heads][d] -> codes, each (layer, head) divided by

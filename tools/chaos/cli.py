@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import signal
 
@@ -71,6 +72,14 @@ def parse_args(argv=None):
     g.add_argument("--events", type=int, default=256,
                    help="event_capacity of the segment (KV events; 0: off)")
     args = p.parse_args(argv)
+    # Under make sanitize (tools/sanitize/san sets SHMKV_TIME_SCALE) instrumented code runs
+    # a few times slower: the time bounds a call or a worker is held to scale with it.  The
+    # counts a run must reach and its durations do not.
+    scale = float(os.environ.get("SHMKV_TIME_SCALE") or 1.0)
+    args.bound *= scale
+    args.hang_limit *= scale
+    args.armed_grace *= scale
+    args.lock_timeout *= scale
     if args.seed is None:
         args.seed = random.SystemRandom().getrandbits(32)
     return args
