@@ -63,6 +63,7 @@ cdef extern from "kernels/attention.h" nogil:
     int shmkv_attn_cpu_isa()
     int shmkv_attn_isa()
     int shmkv_attn_force_isa(int isa)
+    const char *shmkv_attn_pool()
     double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink)
 
 ISA_NAMES = ("scalar", "avx2", "avx512")
@@ -91,6 +92,12 @@ def get_num_threads():
 def isa():
     """The instruction set the kernel uses now: "avx512", "avx2" or "scalar"."""
     return ISA_NAMES[shmkv_attn_isa()]
+
+
+def pool():
+    """The threads the kernel runs on: "openmp" (the team of an OpenMP runtime already in
+    the process, torch's, shared instead of fought over) or "own" (the kernel's pool)."""
+    return shmkv_attn_pool().decode()
 
 
 def cpu_isa():
