@@ -66,7 +66,8 @@ attention = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=cflags,
     libraries=["m", "pthread"],
-    depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h"] + PXD,
+    depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h",
+             "shmkv/kernels/attention_amx.h"] + PXD,
 )
 
 setup(ext_modules=cythonize([_module(n, p) for n, p in CHAIN] + [attention],

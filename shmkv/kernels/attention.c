@@ -155,6 +155,7 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #else
 #define SHMKV_HAVE_X86 0
 #endif
+#include "attention_amx.h"
 
 typedef int (*shmkv_item_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                              uint32_t);
@@ -167,7 +168,7 @@ int shmkv_attn_cpu_isa(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
         __builtin_cpu_supports("fma"))
-        return SHMKV_ISA_AVX512;
+        return shmkv_amx_usable() ? SHMKV_ISA_AMX : SHMKV_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
         __builtin_cpu_supports("fma"))
         return SHMKV_ISA_AVX2;
@@ -442,7 +443,7 @@ static void shmkv_att_init(void) {
     const char *f = getenv("SHMKV_ATTN_ISA");
     if (f && *f) {
         int isa = !strcmp(f, "scalar") ? SHMKV_ISA_SCALAR : !strcmp(f, "avx2") ? SHMKV_ISA_AVX2
-                : !strcmp(f, "avx512") ? SHMKV_ISA_AVX512 : -1;
+                : !strcmp(f, "avx512") ? SHMKV_ISA_AVX512 : !strcmp(f, "amx") ? SHMKV_ISA_AMX : -1;
         if (isa >= 0) shmkv_attn_force_isa(isa);
     }
 }
@@ -471,6 +472,7 @@ int shmkv_attn_get_threads(void) {
 
 /* ---- the attention job ---------------------------------------------------------------- */
 static shmkv_item_fn shmkv_att_fn;
+static int shmkv_att_isa_now;           /* the call's ISA (call_mu held) */
 
 static float *shmkv_scratch_get(int tid, size_t floats) {
     shmkv_scratch_t *s = &P.scratch[tid];
@@ -490,12 +492,27 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     const shmkv_attn_args_t *a = j->a;
     const shmkv_item_t *it = &j->items[i];
     const uint32_t G = a->hq / a->hkv, nqv = it->nrows * a->hq, d = a->d;
-    /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] */
-    float *s = shmkv_scratch_get(tid, (size_t)nqv * (2 * d + 2) + 64);
+    /* prefill rows of a float16/bfloat16 pool go to the tiles where the CPU has them */
+    const int amx = SHMKV_HAVE_X86 && shmkv_att_isa_now >= SHMKV_ISA_AMX && it->nrows > 1 &&
+                    d % 32 == 0 && (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16);
+    /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] (then the tiles' own) */
+    const size_t base = ((size_t)nqv * (2 * d + 2) + 64 + 15) / 16 * 16;
+#if SHMKV_HAVE_X86
+    const size_t extra = amx ? shmkv_amx_scratch(it->nrows * G, d) : 0;
+#else
+    const size_t extra = 0;
+#endif
+    float *s = shmkv_scratch_get(tid, base + extra);
     if (s == NULL) { j->err = SHMKV_ATT_ENOMEM; return; }
     float *qf = s, *acc = s + (size_t)nqv * d, *m = acc + (size_t)nqv * d, *l = m + nqv;
     shmkv_att_load_q(a, it, qf);
-    if (shmkv_att_fn(a, it, qf, acc, nqv) != 0) {
+#if SHMKV_HAVE_X86
+    const int rc = amx ? shmkv_att_item_amx(a, it, qf, acc, nqv, s + base)
+                       : shmkv_att_fn(a, it, qf, acc, nqv);
+#else
+    const int rc = shmkv_att_fn(a, it, qf, acc, nqv);
+#endif
+    if (rc != 0) {
         j->bad_seq = (int)it->seq;
         j->err = SHMKV_ATT_ECORRUPT;
         return;
@@ -576,12 +593,18 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     pthread_once(&shmkv_att_once, shmkv_att_init);
     if (a->hkv == 0 || a->hq % a->hkv || a->d == 0 || a->block_size == 0) return SHMKV_ATT_EARG;
     const uint32_t G = a->hq / a->hkv;
-    const uint32_t rt = G >= QV_MAX ? 1 : QV_MAX / G;      /* query rows per item */
+    /* query rows per item; twice as many on the tiles (the K/V packing of a step is shared
+     * by more query vectors) */
+    const uint32_t qvmax = shmkv_attn_isa() >= SHMKV_ISA_AMX && a->d % 32 == 0 &&
+                           (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16)
+                           ? 2 * QV_MAX : QV_MAX;
+    const uint32_t rt = G >= qvmax ? 1 : qvmax / G;
     pthread_mutex_lock(&P.call_mu);
     int st = SHMKV_ATT_OK;
     if (shmkv_pool_start() != 0) { st = SHMKV_ATT_ENOMEM; goto out; }
     const int threads = P.wanted;
     shmkv_att_fn = shmkv_att_pick(a->d);
+    shmkv_att_isa_now = shmkv_attn_isa();
 
     /* the base items: (seq, row tile), every head; the work is the keys each reads */
     uint64_t nbase = 0, work = 0;

@@ -30,7 +30,8 @@
 enum { SHMKV_ATT_F32 = 0, SHMKV_ATT_F16 = 1, SHMKV_ATT_BF16 = 2,
        SHMKV_ATT_I8 = 3,        /* int8 codes, a float32 scale per slot and kv head */
        SHMKV_ATT_E4M3 = 4 };    /* float8 e4m3fn codes, a float32 scale per kv head */
-enum { SHMKV_ISA_SCALAR = 0, SHMKV_ISA_AVX2 = 1, SHMKV_ISA_AVX512 = 2 };
+enum { SHMKV_ISA_SCALAR = 0, SHMKV_ISA_AVX2 = 1, SHMKV_ISA_AVX512 = 2,
+       SHMKV_ISA_AMX = 3 };     /* AVX-512 + prefill items on AMX-BF16 tiles */
 enum { SHMKV_ATT_OK = 0, SHMKV_ATT_ECORRUPT = 1, SHMKV_ATT_ENOMEM = 2, SHMKV_ATT_EARG = 3 };
 
 typedef struct {
