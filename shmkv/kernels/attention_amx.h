@@ -50,14 +50,6 @@ typedef struct {
     uint8_t rows[16];
 } shmkv_tilecfg_t;
 
-/* float -> bf16 bits, round to nearest even (the portable form, for the q packing) */
-static inline uint16_t shmkv_bf16_rne(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40);   /* NaN */
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
-}
-
 SHMKV_AMX_TGT static inline __m512 shmkv_amx_bf2f(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -165,21 +157,28 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
     }
     int rc = 0;
     for (uint32_t h = 0; h < a->hkv; h++) {
-        /* Q^T of this head in the pairs layout: [tile][d/2][16 q][2], split hi + lo */
-        for (uint32_t v = 0; v < nq; v++) {
-            const float *q = qf + ((size_t)h * nqh + v) * d;
-            const size_t base = (size_t)(v / 16) * 16 * d + (v % 16) * 2;
-            for (uint32_t x = 0; x < d; x++) {
-                const float f = v < nqh ? q[x] : 0.0f;
-                const uint16_t hb = shmkv_bf16_rne(f);
-                uint32_t hbits = (uint32_t)hb << 16;
-                float hf;
-                memcpy(&hf, &hbits, 4);
-                const size_t o = base + (size_t)(x / 2) * 32 + (x & 1);
-                qhi[o] = hb;
-                qlo[o] = shmkv_bf16_rne(f - hf);
+        /* Q^T of this head in the pairs layout [tile][d/2][16 q][2], split hi + lo: per
+         * tile and 32 dims, 16 rows of 16 dim pairs (one dword each) transposed */
+        for (uint32_t q0 = 0; q0 < nq; q0 += 16)
+            for (uint32_t x = 0; x < d; x += 32) {
+                __m512 rh[16], rl[16];
+                for (uint32_t c = 0; c < 16; c++) {
+                    if (q0 + c >= nqh) { rh[c] = rl[c] = _mm512_setzero_ps(); continue; }
+                    const float *q = qf + ((size_t)h * nqh + q0 + c) * d + x;
+                    __m256i h0, l0, h1, l1;
+                    shmkv_amx_split(_mm512_loadu_ps(q), &h0, &l0);
+                    shmkv_amx_split(_mm512_loadu_ps(q + 16), &h1, &l1);
+                    rh[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+                    rl[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1));
+                }
+                shmkv_amx_tr16(rh);
+                shmkv_amx_tr16(rl);
+                const size_t o = (size_t)q0 * d + (size_t)x * 16;   /* 16 rows of 32 bf16 */
+                for (uint32_t i = 0; i < 16; i++) {
+                    _mm512_storeu_ps((float *)(qhi + o + 32 * i), rh[i]);
+                    _mm512_storeu_ps((float *)(qlo + o + 32 * i), rl[i]);
+                }
             }
-        }
         for (uint32_t v = 0; v < nq; v++) { m[v] = -INFINITY; l[v] = 0; }
         memset(O, 0, (size_t)nq * d * sizeof(float));
         for (uint32_t ts = it->t0; ts < it->t1; ts += SHMKV_AMX_KS) {
