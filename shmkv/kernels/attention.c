@@ -593,11 +593,11 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     pthread_once(&shmkv_att_once, shmkv_att_init);
     if (a->hkv == 0 || a->hq % a->hkv || a->d == 0 || a->block_size == 0) return SHMKV_ATT_EARG;
     const uint32_t G = a->hq / a->hkv;
-    /* query rows per item; twice as many on the tiles (the K/V packing of a step is shared
-     * by more query vectors) */
+    /* query rows per item; four times as many on the tiles (the K/V packing of a step is
+     * shared by more query vectors) */
     const uint32_t qvmax = shmkv_attn_isa() >= SHMKV_ISA_AMX && a->d % 32 == 0 &&
                            (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16)
-                           ? 2 * QV_MAX : QV_MAX;
+                           ? 4 * QV_MAX : QV_MAX;
     const uint32_t rt = G >= qvmax ? 1 : qvmax / G;
     pthread_mutex_lock(&P.call_mu);
     int st = SHMKV_ATT_OK;

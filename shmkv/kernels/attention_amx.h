@@ -13,6 +13,7 @@
  *   causal mask only where the step crosses a row's last key)
  *   O [16 q][d] += P [16][32] . V [32][d]     (P transposed from S^T, V packed in pairs; O
  *                                              rescaled only when a column's max moves)
+ * Scores are in log2 units (q times log2(e)), so the softmax is 2^x; m goes out in e units.
  * Precision: AMX multiplies bf16.  Where an operand is not exactly bf16 it is split, x = hi +
  * lo with hi = bf16(x), lo = bf16(x - hi), and the products hi.hi + hi.lo + lo.hi summed in
  * fp32 -- q and P always (fp32: 16 significant bits kept, ~2^-17 relative), K and V of a
@@ -27,7 +28,8 @@
 #define SHMKV_AMX_TGT __attribute__((target(                                           \
     "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,fma,f16c")))
 #define SHMKV_AMX_KS 32                /* keys per step: one bf16 tile's K dimension */
-#define SHMKV_AMX_SLACK 8.0f           /* how far a score may pass its column's max (lazy) */
+#define SHMKV_AMX_SLACK2 12.0f         /* how far (log2 units) a score may pass its column's
+                                          max before the max moves (lazy rescaling) */
 
 /* The CPU has AMX-BF16 and AVX512-BF16 and the kernel let this process use the tiles. */
 static int shmkv_amx_usable(void) {
@@ -54,31 +56,30 @@ SHMKV_AMX_TGT static inline __m512 shmkv_amx_bf2f(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* hi and lo bf16 halves of 16 floats */
+/* hi and lo bf16 halves of 16 floats (hi rounded; P's are split by truncation instead: the
+ * same 16 bits kept, fewer instructions) */
 SHMKV_AMX_TGT static inline void shmkv_amx_split(__m512 x, __m256i *hi, __m256i *lo) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
     *hi = h;
     *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, shmkv_amx_bf2f(h)));
 }
 
-/* exp(x), exactly 0 where x == -inf (the Cephes-style polynomial of attention_isa.h) */
-SHMKV_AMX_TGT static inline __m512 shmkv_amx_exp(__m512 x0) {
-    __m512 x = _mm512_max_ps(_mm512_min_ps(x0, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ),
-                               p, e);
+/* 2^x, exactly 0 where x == -inf (x <= SHMKV_AMX_SLACK2 here: no overflow).  The scores
+ * are in log2 units (q carries log2(e)): 2^r on [-1/2, 1/2] by its degree-6 Taylor
+ * polynomial (error ~1e-7), the integer part by vscalefps. */
+SHMKV_AMX_TGT static inline __m512 shmkv_amx_exp2(__m512 x0) {
+    const __m512 x = _mm512_max_ps(x0, _mm512_set1_ps(-127.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ),
+                                  p, n);
 }
 
 /* r[0..15] <- its transpose (16 x 16 floats) */
@@ -165,9 +166,10 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                 for (uint32_t c = 0; c < 16; c++) {
                     if (q0 + c >= nqh) { rh[c] = rl[c] = _mm512_setzero_ps(); continue; }
                     const float *q = qf + ((size_t)h * nqh + q0 + c) * d + x;
+                    const __m512 lg = _mm512_set1_ps(1.44269504088896f);   /* log2(e) */
                     __m256i h0, l0, h1, l1;
-                    shmkv_amx_split(_mm512_loadu_ps(q), &h0, &l0);
-                    shmkv_amx_split(_mm512_loadu_ps(q + 16), &h1, &l1);
+                    shmkv_amx_split(_mm512_mul_ps(_mm512_loadu_ps(q), lg), &h0, &l0);
+                    shmkv_amx_split(_mm512_mul_ps(_mm512_loadu_ps(q + 16), lg), &h1, &l1);
                     rh[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
                     rl[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1));
                 }
@@ -212,6 +214,9 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                     _mm256_storeu_si256((__m256i *)(kl + x), lo);
                 }
             }
+            const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41,
+                                                 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17,
+                                                 15, 13, 11, 9, 7, 5, 3, 1);   /* high words */
             const __m512i ilv = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
                                                  41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
                                                  35, 3, 34, 2, 33, 1, 32, 0);
@@ -220,6 +225,17 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                 const uint8_t *v0 = j0 < nt ? a->vpool + rows[j0] : NULL;
                 const uint8_t *v1 = j1 < nt ? a->vpool + rows[j1] : NULL;
                 uint16_t *vh = vhi + (size_t)p * 2 * d, *vl = vlo + (size_t)p * 2 * d;
+                if (!f16) {                     /* bf16 as stored: interleave the words */
+                    for (uint32_t x = 0; x < d; x += 16) {
+                        const __m256i w0 = v0 ? _mm256_loadu_si256((const __m256i *)(v0 + 2 * x))
+                                              : _mm256_setzero_si256();
+                        const __m256i w1 = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 2 * x))
+                                              : _mm256_setzero_si256();
+                        _mm512_storeu_si512(vh + 2 * x, _mm512_permutex2var_epi16(
+                            _mm512_castsi256_si512(w0), ilv, _mm512_castsi256_si512(w1)));
+                    }
+                    continue;
+                }
                 for (uint32_t x = 0; x < d; x += 16) {
                     const __m512 a0 = v0 ? shmkv_amx_ld(v0 + 2 * x, dt) : _mm512_setzero_ps();
                     const __m512 a1 = v1 ? shmkv_amx_ld(v1 + 2 * x, dt) : _mm512_setzero_ps();
@@ -283,24 +299,24 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                     mt = _mm512_max_ps(mt, s[j]);
                 }
                 /* lazy rescaling: a column's reference max moves only when a score
-                 * passes it by more than SHMKV_AMX_SLACK (or on its first visible key),
+                 * passes it by more than SHMKV_AMX_SLACK2 (or on its first visible key),
                  * so most steps have alpha == 1 and accumulate straight into O on the
-                 * tiles; p = exp(s - m) <= e^SLACK stays far from fp32's range */
+                 * tiles; p = 2^(s - m) <= 2^SLACK2 stays far from fp32's range */
                 const __m512 mo = _mm512_loadu_ps(m + q0), ninf = _mm512_set1_ps(-INFINITY);
                 const __mmask16 up = _mm512_cmp_ps_mask(
-                    mt, _mm512_add_ps(mo, _mm512_set1_ps(SHMKV_AMX_SLACK)), _CMP_GT_OQ);
+                    mt, _mm512_add_ps(mo, _mm512_set1_ps(SHMKV_AMX_SLACK2)), _CMP_GT_OQ);
                 const __m512 mn = _mm512_mask_max_ps(mo, up, mo, mt);
                 /* -inf - -inf: a column with nothing visible yet subtracts 0 instead */
                 const __m512 mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ),
                                                      _mm512_setzero_ps());
                 __m512 sum = _mm512_setzero_ps();
                 for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
-                    s[j] = shmkv_amx_exp(_mm512_sub_ps(s[j], mu));
+                    s[j] = shmkv_amx_exp2(_mm512_sub_ps(s[j], mu));
                     sum = _mm512_add_ps(sum, s[j]);
                 }
                 if (up) {                       /* some columns moved: rescale their O, l */
                     const __m512 al = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), up,
-                                                         shmkv_amx_exp(_mm512_sub_ps(mo, mu)));
+                                                         shmkv_amx_exp2(_mm512_sub_ps(mo, mu)));
                     _mm512_storeu_ps(l + q0, _mm512_fmadd_ps(_mm512_loadu_ps(l + q0), al, sum));
                     _mm512_storeu_ps(alpha, al);
                     for (uint32_t c = 0; c < 16; c++) {
@@ -317,12 +333,14 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                 /* P [16 q][32 keys] = (S^T)^T, split hi + lo */
                 shmkv_amx_tr16(s);
                 shmkv_amx_tr16(s + 16);
-                for (uint32_t c = 0; c < 16; c++) {
-                    __m256i h0, l0, h1, l1;
-                    shmkv_amx_split(s[c], &h0, &l0);
-                    shmkv_amx_split(s[16 + c], &h1, &l1);
-                    _mm512_storeu_si512(phi + 32 * c, _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
-                    _mm512_storeu_si512(plo + 32 * c, _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1));
+                for (uint32_t c = 0; c < 16; c++) {   /* hi by truncation: one permute */
+                    const __m512i hm = _mm512_set1_epi32((int)0xffff0000u);
+                    const __m512 t0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s[c]), hm));
+                    const __m512 t1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s[16 + c]), hm));
+                    _mm512_storeu_si512(phi + 32 * c, _mm512_permutex2var_epi16(
+                        _mm512_castps_si512(s[c]), odd, _mm512_castps_si512(s[16 + c])));
+                    _mm512_storeu_si512(plo + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(
+                        _mm512_sub_ps(s[16 + c], t1), _mm512_sub_ps(s[c], t0)));
                 }
                 /* O += P . V, 16 columns of d at a time, accumulated on the tile */
                 _tile_loadd(6, phi, 64);
@@ -343,7 +361,7 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
         }
         for (uint32_t v = 0; v < nqh; v++) {                /* this head's vectors out */
             memcpy(acc + ((size_t)h * nqh + v) * d, O + (size_t)v * d, d * sizeof(float));
-            m_out[h * nqh + v] = m[v];
+            m_out[h * nqh + v] = m[v] * 0.69314718055994531f;   /* back to e units */
             l_out[h * nqh + v] = l[v];
         }
     }
