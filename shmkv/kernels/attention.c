@@ -162,15 +162,22 @@ typedef int (*shmkv_item_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, fl
 
 static int shmkv_att_isa_forced = -1;
 
+#if SHMKV_HAVE_X86
+/* F16C and FMA from CPUID leaf 1 (clang's __builtin_cpu_supports knows no "f16c") */
+static int shmkv_cpu_f16c_fma(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    return (c >> 29 & 1) && (c >> 12 & 1);
+}
+#endif
+
 int shmkv_attn_cpu_isa(void) {
 #if SHMKV_HAVE_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
-        __builtin_cpu_supports("fma"))
+        __builtin_cpu_supports("avx512vl") && shmkv_cpu_f16c_fma())
         return shmkv_amx_usable() ? SHMKV_ISA_AMX : SHMKV_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-        __builtin_cpu_supports("fma"))
+    if (__builtin_cpu_supports("avx2") && shmkv_cpu_f16c_fma())
         return SHMKV_ISA_AVX2;
 #endif
     return SHMKV_ISA_SCALAR;
