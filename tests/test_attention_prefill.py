@@ -5,8 +5,9 @@ float64 reference (test_attention.reference)."""
 import numpy as np
 import pytest
 from conftest import ISAS
-from test_attention import assert_close, fill, reference
+from test_attention import _table_entry, assert_close, fill, reference
 
+import shmkv
 from shmkv import _attention
 
 
@@ -66,3 +67,26 @@ def test_tile_path_is_the_one_taken_and_agrees_with_avx512(make_cache):
     # different arithmetic (split bf16 products on tiles vs fp32 FMAs), the same answer
     assert not np.array_equal(fma, tiles)
     assert np.abs(fma - tiles).max() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bad", [-7, 10 ** 6])
+def test_corrupt_block_table_in_a_prefill_is_segment_error(make_cache, isa, dtype, bad):
+    """A block id read from shared memory is checked on the tile path too (the tile state
+    is released on the way out: the next call works)."""
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=64,
+                       block_size=16, dtype=dtype)
+    rng = np.random.default_rng(6)
+    sid = cache.create_sequence()
+    fill(cache, sid, 300, rng)
+    q = rng.standard_normal((40, 8, 64)).astype(np.float32)
+    entry = _table_entry(cache, sid, 17)                 # a block the last rows read
+    good = int(entry[0])
+    entry[0] = bad
+    try:
+        with pytest.raises(shmkv.SegmentError):
+            cache.attention(0, q, [sid], q_lens=[40])
+    finally:
+        entry[0] = good
+    assert_close(cache.attention(0, q, [sid], q_lens=[40]), reference(cache, 0, q, [sid], [40]))
+    assert cache.check() == []
