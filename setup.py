@@ -80,7 +80,8 @@ attention = Extension(
     extra_compile_args=cflags,
     extra_link_args=ldflags,
     libraries=["m", "pthread"],
-    depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h"] + PXD,
+    depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h",
+             "shmkv/kernels/attention_amx.h"] + PXD,
 )
 
 VARIANT, STAMP = ("debug" if DEBUG else "release"), ".cython-variant"

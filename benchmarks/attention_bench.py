@@ -124,6 +124,7 @@ def decode_case(dtype, batch, length, reps, torch_reps, threads):
         res = {"case": f"decode {batch} x {length // 1024}k", "dtype": dtype, "batch": batch,
                "length": length, "kv_bytes": case.kv_bytes}
         _attention.set_num_threads(threads)
+        res["isa"] = _attention.isa()
         res["shmkv"] = med(lambda: case.cache.attention(0, q, case.sids, out=out), reps)
         res["floor"] = case.floor(reps)
         _attention.set_num_threads(1)
@@ -147,7 +148,14 @@ def prefill_case(dtype, length, rows, reps, torch_reps, threads):
                "length": length, "rows": rows, "kv_bytes": case.kv_bytes}
         _attention.set_num_threads(threads)
         call = lambda: case.cache.attention(0, q, case.sids, q_lens=[rows], out=out)  # noqa
+        res["isa"] = _attention.isa()
         res["shmkv"] = med(call, reps)
+        if _attention.isa() == "amx":       # the same kernel with its FMA path (no tiles)
+            _attention._force_isa("avx512")
+            try:
+                res["shmkv_fma"] = med(call, max(3, reps // 3))
+            finally:
+                _attention._force_isa(None)
         res["floor"] = case.floor(reps)
         _attention.set_num_threads(1)
         res["shmkv_1t"] = med(call, max(3, reps // 3))
@@ -179,9 +187,9 @@ def fma_ms(r, ghz, cores):
 
 
 def table(results, ghz, cores):
-    out = ["| case | dtype | shmkv | 1 thread | read floor | × floor | GB/s | FMA bound | "
+    out = ["| case | dtype | ISA | shmkv | 1 thread | read floor | × floor | GB/s | FMA bound | "
            "gather+SDPA stored | gather+SDPA fp32 | speed-up vs best torch | targets |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t, f = ms(r, "shmkv"), ms(r, "floor")
         bt = best_torch(r)
@@ -191,7 +199,8 @@ def table(results, ghz, cores):
         decode = "rows" not in r
         targets = f"floor {ok_floor}, torch {ok_torch}" if decode else "(reported)"
         out.append(
-            f"| {r['case']} | {r['dtype']} | {t:.2f} ms | {ms(r, 'shmkv_1t'):.2f} ms | "
+            f"| {r['case']} | {r['dtype']} | {r.get('isa', '?')} | {t:.2f} ms | "
+            f"{ms(r, 'shmkv_1t'):.2f} ms | "
             f"{f:.2f} ms | {t / f:.2f}× | {r['kv_bytes'] / t / 1e6:.1f} | "
             f"{fma_ms(r, ghz, cores):.2f} ms | {ms(r, 'torch_stored'):.1f} ms | "
             f"{ms(r, 'torch_fp32'):.1f} ms | {speed:.1f}× | {targets} |")
@@ -233,7 +242,8 @@ def machine(threads):
         pass
     import torch
     return {"cpu": platform.processor() or platform.machine(), "ghz": ghz or 2.5,
-            "threads": threads, "isa": _attention.isa(), "torch": torch.__version__,
+            "threads": threads, "isa": _attention.isa(), "cpu_isa": _attention.cpu_isa(),
+            "pool": _attention.pool(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "load": os.getloadavg()[0]}
 
 
@@ -242,7 +252,8 @@ def render(meta, results, curve, png_name):
         "## Paged attention (`cache.attention`)",
         "",
         f"One Llama-3-8B layer (32 q heads, 8 kv heads, head_dim 128, block 16); "
-        f"{meta['threads']} threads ({meta['isa']}, {meta['ghz']:.2f} GHz), torch "
+        f"{meta['threads']} threads (kernel ISA {meta['isa']}, CPU {meta.get('cpu_isa')}, "
+        f"pool {meta.get('pool')}, {meta['ghz']:.2f} GHz), torch "
         f"{meta['torch']} on {meta['torch_threads']} threads; load {meta['load']:.2f} at the "
         "start. Medians. *read floor*: the K and V pool bytes read once by a C loop on every "
         "thread; *FMA bound*: the QK and PV FMAs alone at one 16-lane FMA per cycle per "
@@ -252,6 +263,8 @@ def render(meta, results, curve, png_name):
         "best torch variant.",
         "",
         table(results, meta["ghz"], meta["threads"]),
+        "",
+        prefill_table(results),
         "",
         f"![decode time vs context length]({png_name})",
         "",
@@ -276,11 +289,31 @@ def splice(results_md, body):
     return text.rstrip() + f"\n\n{MARK_BEGIN}\n{body}{MARK_END}\n"
 
 
+def prefill_table(results):
+    """Prefill: the tile path against the FMA path of the same kernel and torch."""
+    out = ["Prefill paths (ratios against the best torch SDPA variant of the same run):", "",
+           "| case | dtype | shmkv (ISA) | shmkv FMA path (avx512) | gather+SDPA stored | "
+           "gather+SDPA fp32 | shmkv / best torch | target ≤ 1.0× |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "rows" not in r:
+            continue
+        bt = best_torch(r)
+        x = ms(r, "shmkv") / ms(r, bt) if bt else float("nan")
+        out.append(f"| {r['case']} | {r['dtype']} | {ms(r, 'shmkv'):.1f} ms ({r.get('isa')}) | "
+                   f"{ms(r, 'shmkv_fma'):.1f} ms | {ms(r, 'torch_stored'):.1f} ms | "
+                   f"{ms(r, 'torch_fp32'):.1f} ms | {x:.2f}× | "
+                   f"{'PASS' if x <= 1.0 else 'FAIL'} |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--out", default=os.path.join(HERE, "out"))
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the prefill cases, printed (no files written)")
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
@@ -291,6 +324,14 @@ def main(argv=None):
     dtypes = ["float16", "bfloat16"]
     sizes = [(2, 1024), (1, 4096)] if quick else [(8, 4096), (1, 32768)]
     results = []
+    if args.prefill_only:
+        pf = (1024, 128) if quick else (4096, 512)
+        for dt in dtypes:
+            results.append(prefill_case(dt, pf[0], pf[1], reps, treps, args.threads))
+        print(f"load {meta['load']:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; "
+              f"kernel ISA {meta['isa']}, CPU {meta['cpu_isa']}")
+        print(prefill_table(results))
+        return 0
     for dt in dtypes:
         for b, n in sizes:
             print(f"decode {dt} {b} x {n}", flush=True)

@@ -36,6 +36,7 @@ cdef extern from "kernels/attention.h" nogil:
         SHMKV_ISA_SCALAR
         SHMKV_ISA_AVX2
         SHMKV_ISA_AVX512
+        SHMKV_ISA_AMX
         SHMKV_ATT_OK
         SHMKV_ATT_ECORRUPT
         SHMKV_ATT_ENOMEM
@@ -63,9 +64,10 @@ cdef extern from "kernels/attention.h" nogil:
     int shmkv_attn_cpu_isa()
     int shmkv_attn_isa()
     int shmkv_attn_force_isa(int isa)
+    const char *shmkv_attn_pool()
     double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink)
 
-ISA_NAMES = ("scalar", "avx2", "avx512")
+ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
 
 # pool dtype code (config.DTYPES) -> kernel element type; the quantized pools (int8,
 # float8_e4m3) are read directly, their scales applied to scores and probabilities
@@ -89,8 +91,15 @@ def get_num_threads():
 
 
 def isa():
-    """The instruction set the kernel uses now: "avx512", "avx2" or "scalar"."""
+    """The instruction set the kernel uses now: "amx" (AVX-512, prefill on AMX-BF16 tiles),
+    "avx512", "avx2" or "scalar"."""
     return ISA_NAMES[shmkv_attn_isa()]
+
+
+def pool():
+    """The threads the kernel runs on: "openmp" (the team of an OpenMP runtime already in
+    the process, torch's, shared instead of fought over) or "own" (the kernel's pool)."""
+    return shmkv_attn_pool().decode()
 
 
 def cpu_isa():
@@ -99,7 +108,7 @@ def cpu_isa():
 
 
 def _force_isa(name):
-    """Test hook: force a path ("scalar", "avx2", "avx512"), or None for the best.
+    """Test hook: force a path ("scalar", "avx2", "avx512", "amx"), or None for the best.
     ValueError if this CPU cannot run it.  (SHMKV_ATTN_ISA=name does it at import.)"""
     if name is None:
         shmkv_attn_force_isa(-1)

@@ -27,6 +27,27 @@ cnp.import_array()
 bind_debug_state()
 
 
+cdef cnp.ndarray _plain_int_ids(object sids):
+    """A list or tuple of plain ints as an int64 array, or None (anything else: the general
+    path checks it item by item)."""
+    if type(sids) is not list and type(sids) is not tuple:
+        return None
+    cdef Py_ssize_t n = len(sids), i
+    cdef cnp.npy_intp dim = n
+    cdef cnp.ndarray sa = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
+    cdef int64_t *p = <int64_t *>cnp.PyArray_DATA(sa)
+    cdef object x
+    for i in range(n):
+        x = sids[i]
+        if type(x) is not int:
+            return None
+        try:
+            p[i] = <int64_t>x
+        except OverflowError:
+            return None
+    return sa
+
+
 cdef class SequenceOps(PrefixOps):
     def create_sequence(self, tokens=None, salt=None, *, int priority=0):
         """Create a sequence owned by this process.
@@ -189,6 +210,8 @@ cdef class SequenceOps(PrefixOps):
                     f"sequence {sids.max()}: unknown or freed sequence")
             sa = np.ascontiguousarray(sids, dtype=np.int64)
         else:
+            sa = _plain_int_ids(sids)               # a list/tuple of plain ints: no copies
+        if sa is None:
             # every id checked as any other call checks one (no float/str/bool coercion)
             items = list(sids)
             if items and all(isinstance(x, (list, tuple, np.ndarray)) for x in items):

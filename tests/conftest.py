@@ -104,9 +104,9 @@ def spawn(procs):
 
 
 # The attention kernel's instruction-set paths this CPU can run (scalar runs everywhere).
-ISAS = [n for n in ("scalar", "avx2", "avx512")
-        if ("scalar", "avx2", "avx512").index(n) <= ("scalar", "avx2", "avx512").index(
-            _attention.cpu_isa())]
+# "amx" is avx512 with the prefill items on AMX-BF16 tiles.
+_ISA_ORDER = ("scalar", "avx2", "avx512", "amx")
+ISAS = [n for n in _ISA_ORDER if _ISA_ORDER.index(n) <= _ISA_ORDER.index(_attention.cpu_isa())]
 
 
 @pytest.fixture(params=ISAS)

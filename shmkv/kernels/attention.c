@@ -9,9 +9,12 @@
 #include "attention.h"
 #include "cpu.h"
 
+#include <dlfcn.h>
+#include <link.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -170,21 +173,29 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #else
 #define SHMKV_HAVE_X86 0
 #endif
+#include "attention_amx.h"
 
 typedef int (*shmkv_item_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                              uint32_t);
 
 static int shmkv_att_isa_forced = -1;
 
+#if SHMKV_HAVE_X86
+/* F16C and FMA from CPUID leaf 1 (clang's __builtin_cpu_supports knows no "f16c") */
+static int shmkv_cpu_f16c_fma(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    return (c >> 29 & 1) && (c >> 12 & 1);
+}
+#endif
+
 int shmkv_attn_cpu_isa(void) {
 #if SHMKV_HAVE_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && shmkv_cpu_has_f16c() &&
-        __builtin_cpu_supports("fma"))
-        return SHMKV_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && shmkv_cpu_has_f16c() &&
-        __builtin_cpu_supports("fma"))
+        __builtin_cpu_supports("avx512vl") && shmkv_cpu_f16c_fma())
+        return shmkv_amx_usable() ? SHMKV_ISA_AMX : SHMKV_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && shmkv_cpu_f16c_fma())
         return SHMKV_ISA_AVX2;
 #endif
     return SHMKV_ISA_SCALAR;
@@ -233,8 +244,14 @@ static struct {
     uint32_t nitems;
     uint32_t next;              /* next item to take (atomic) */
     shmkv_scratch_t *scratch;   /* [wanted] */
+    /* a libgomp already in the process (torch's): the items run on its threads */
+    void (*omp_parallel)(void (*)(void *), void *, unsigned, unsigned);
+    int (*omp_thread_num)(void);
+    unsigned long long omp_adds, omp_subs;  /* dl_iterate_phdr's load counters at the scan */
+    int omp_off;                /* SHMKV_ATTN_POOL=own, or a fork() child: never */
 } P = { .call_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
         .work_cv = PTHREAD_COND_INITIALIZER, .done_cv = PTHREAD_COND_INITIALIZER };
+
 
 static pthread_once_t shmkv_att_once = PTHREAD_ONCE_INIT;
 
@@ -287,16 +304,22 @@ static void shmkv_pool_stop(void) {
     P.stop = 0;
 }
 
-/* Starts the helpers and the scratch table if needed (call_mu held).  0, or -1 on ENOMEM. */
+/* Makes the scratch table if needed (call_mu held).  0, or -1 on ENOMEM.  The helper
+ * threads are started by the first call that runs on the library's own pool. */
 static int shmkv_pool_start(void) {
     if (P.wanted == 0) P.wanted = shmkv_affinity_count();
     if (P.scratch == NULL) {
         P.scratch = calloc((size_t)P.wanted, sizeof(shmkv_scratch_t));
         if (P.scratch == NULL) return -1;
     }
-    if (P.started) return 0;        /* fewer helpers than wanted if some failed: once */
+    return 0;
+}
+
+/* Starts the helpers once per configuration (call_mu held); fewer if some fail. */
+static void shmkv_pool_helpers(void) {
+    if (P.started) return;
     P.tids = calloc((size_t)P.wanted, sizeof(pthread_t));
-    if (P.tids == NULL) return -1;
+    if (P.tids == NULL) return;                 /* no helpers: the caller does it all */
     P.started = 1;
     pthread_mutex_lock(&P.mu);
     P.born_gen = P.gen;
@@ -306,16 +329,107 @@ static int shmkv_pool_start(void) {
         P.nworkers++;
     }
     pthread_mutex_unlock(&P.mu);
+}
+
+/* ---- sharing an OpenMP runtime already loaded (torch's libgomp) ------------------------
+ * Inside a model, torch's OpenMP threads spin for a while after each parallel region (a
+ * linear layer); a second pool of our own then fights them for the cores, and the kernel
+ * took 3.5x its time alone.  When the process has a libgomp loaded (torch brings one), the
+ * items run on *its* team through GOMP_parallel, the entry point GCC emits for `#pragma omp
+ * parallel`: the spinning threads are the ones that pick the work up, at no wake-up cost,
+ * and there is one set of threads on the cores.  shmkv does not link libgomp: the library
+ * is looked up among those already loaded (dl_iterate_phdr, then dlopen RTLD_NOLOAD, which
+ * also pins it), re-scanned only when the loader's counters say something was loaded or
+ * unloaded.  Off in a fork() child (a libgomp team does not survive fork; the own pool
+ * does) and with SHMKV_ATTN_POOL=own. */
+typedef struct {
+    char path[4096];
+    int rank;                   /* 2: torch's, 1: another libgomp, 0: none found */
+} shmkv_omp_scan_t;
+
+static int shmkv_omp_cb(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    shmkv_omp_scan_t *s = data;
+    const char *name = info->dlpi_name;
+    if (name == NULL || *name == 0) return 0;
+    const char *base = strrchr(name, '/');
+    base = base ? base + 1 : name;
+    if (strncmp(base, "libgomp", 7) != 0) return 0;
+    const int rank = strstr(name, "torch") ? 2 : 1;
+    if (rank > s->rank && strlen(name) < sizeof s->path) {
+        strcpy(s->path, name);
+        s->rank = rank;
+    }
     return 0;
 }
 
-/* Runs fn over items 0..n-1 on the caller and the helpers (call_mu held). */
+static int shmkv_omp_counters_cb(struct dl_phdr_info *info, size_t size, void *data) {
+    unsigned long long *c = data;
+    if (size >= offsetof(struct dl_phdr_info, dlpi_subs) + sizeof info->dlpi_subs) {
+        c[0] = info->dlpi_adds;
+        c[1] = info->dlpi_subs;
+    }
+    return 1;                                   /* the first object carries the counters */
+}
+
+/* Finds the loaded libgomp's entry points, when the set of loaded objects changed
+ * (call_mu held).  Once found they are kept: the RTLD_NOLOAD handle pins the library. */
+static void shmkv_omp_refresh(void) {
+    if (P.omp_off || P.omp_parallel) return;
+    unsigned long long c[2] = { 0, 0 };
+    dl_iterate_phdr(shmkv_omp_counters_cb, c);
+    if (c[0] == P.omp_adds && c[1] == P.omp_subs && c[0] != 0) return;
+    P.omp_adds = c[0];
+    P.omp_subs = c[1];
+    shmkv_omp_scan_t s = { .rank = 0 };
+    dl_iterate_phdr(shmkv_omp_cb, &s);
+    if (!s.rank) return;
+    void *h = dlopen(s.path, RTLD_LAZY | RTLD_NOLOAD);
+    if (h == NULL) return;
+    void *par = dlsym(h, "GOMP_parallel"), *num = dlsym(h, "omp_get_thread_num");
+    if (par == NULL || num == NULL) { dlclose(h); return; }
+    *(void **)&P.omp_parallel = par;
+    *(void **)&P.omp_thread_num = num;
+}
+
+static void shmkv_omp_body(void *arg) {
+    (void)arg;
+    const int tid = P.omp_thread_num();
+    /* a team larger than asked cannot happen (GOMP gives at most num_threads); a thread
+     * number out of range would index past the scratch table, so it does no work */
+    if (tid >= 0 && tid < P.wanted) shmkv_pool_run_items(tid);
+}
+
+/* Which pool runs the kernel's items now: "openmp" (a loaded libgomp's) or "own". */
+static void shmkv_att_init(void);
+const char *shmkv_attn_pool(void) {
+    pthread_once(&shmkv_att_once, shmkv_att_init);
+    pthread_mutex_lock(&P.call_mu);
+    shmkv_omp_refresh();
+    const char *r = P.omp_parallel && !P.omp_off ? "openmp" : "own";
+    pthread_mutex_unlock(&P.call_mu);
+    return r;
+}
+
+/* Runs fn over items 0..n-1 on the caller and the helpers, or on the loaded OpenMP
+ * runtime's team (call_mu held). */
 static void shmkv_pool_run(shmkv_task_fn fn, void *ctx, uint32_t n, int threads) {
     P.fn = fn;
     P.ctx = ctx;
     P.nitems = n;
     __atomic_store_n(&P.next, 0, __ATOMIC_RELAXED);
-    if (threads <= 1 || P.nworkers == 0 || n <= 1) {
+    if (threads > P.wanted) threads = P.wanted;
+    if (threads <= 1 || n <= 1) {
+        shmkv_pool_run_items(0);
+        return;
+    }
+    shmkv_omp_refresh();
+    if (P.omp_parallel && !P.omp_off) {
+        P.omp_parallel(shmkv_omp_body, NULL, (unsigned)threads, 0);
+        return;
+    }
+    shmkv_pool_helpers();
+    if (P.nworkers == 0) {
         shmkv_pool_run_items(0);
         return;
     }
@@ -344,14 +458,17 @@ static void shmkv_att_child(void) {
     P.started = 0;
     P.stop = 0;
     P.pending = 0;
+    P.omp_off = 1;              /* the parent's OpenMP team is not in this process */
     pthread_mutex_init(&P.call_mu, NULL);
 }
 static void shmkv_att_init(void) {
     pthread_atfork(shmkv_att_prepare, shmkv_att_parent, shmkv_att_child);
+    const char *pool = getenv("SHMKV_ATTN_POOL");
+    if (pool && !strcmp(pool, "own")) P.omp_off = 1;
     const char *f = getenv("SHMKV_ATTN_ISA");
     if (f && *f) {
         int isa = !strcmp(f, "scalar") ? SHMKV_ISA_SCALAR : !strcmp(f, "avx2") ? SHMKV_ISA_AVX2
-                : !strcmp(f, "avx512") ? SHMKV_ISA_AVX512 : -1;
+                : !strcmp(f, "avx512") ? SHMKV_ISA_AVX512 : !strcmp(f, "amx") ? SHMKV_ISA_AMX : -1;
         if (isa >= 0) shmkv_attn_force_isa(isa);
     }
 }
@@ -380,6 +497,7 @@ int shmkv_attn_get_threads(void) {
 
 /* ---- the attention job ---------------------------------------------------------------- */
 static shmkv_item_fn shmkv_att_fn;
+static int shmkv_att_isa_now;           /* the call's ISA (call_mu held) */
 
 static float *shmkv_scratch_get(int tid, size_t floats) {
     shmkv_scratch_t *s = &P.scratch[tid];
@@ -399,12 +517,27 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     const shmkv_attn_args_t *a = j->a;
     const shmkv_item_t *it = &j->items[i];
     const uint32_t G = a->hq / a->hkv, nqv = it->nrows * a->hq, d = a->d;
-    /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] */
-    float *s = shmkv_scratch_get(tid, (size_t)nqv * (2 * d + 2) + 64);
+    /* prefill rows of a float16/bfloat16 pool go to the tiles where the CPU has them */
+    const int amx = SHMKV_HAVE_X86 && shmkv_att_isa_now >= SHMKV_ISA_AMX && it->nrows > 1 &&
+                    d % 32 == 0 && (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16);
+    /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] (then the tiles' own) */
+    const size_t base = ((size_t)nqv * (2 * d + 2) + 64 + 15) / 16 * 16;
+#if SHMKV_HAVE_X86
+    const size_t extra = amx ? shmkv_amx_scratch(it->nrows * G, d) : 0;
+#else
+    const size_t extra = 0;
+#endif
+    float *s = shmkv_scratch_get(tid, base + extra);
     if (s == NULL) { j->err = SHMKV_ATT_ENOMEM; return; }
     float *qf = s, *acc = s + (size_t)nqv * d, *m = acc + (size_t)nqv * d, *l = m + nqv;
     shmkv_att_load_q(a, it, qf);
-    if (shmkv_att_fn(a, it, qf, acc, nqv) != 0) {
+#if SHMKV_HAVE_X86
+    const int rc = amx ? shmkv_att_item_amx(a, it, qf, acc, nqv, s + base)
+                       : shmkv_att_fn(a, it, qf, acc, nqv);
+#else
+    const int rc = shmkv_att_fn(a, it, qf, acc, nqv);
+#endif
+    if (rc != 0) {
         j->bad_seq = (int)it->seq;
         j->err = SHMKV_ATT_ECORRUPT;
         return;
@@ -485,12 +618,18 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     pthread_once(&shmkv_att_once, shmkv_att_init);
     if (a->hkv == 0 || a->hq % a->hkv || a->d == 0 || a->block_size == 0) return SHMKV_ATT_EARG;
     const uint32_t G = a->hq / a->hkv;
-    const uint32_t rt = G >= QV_MAX ? 1 : QV_MAX / G;      /* query rows per item */
+    /* query rows per item; four times as many on the tiles (the K/V packing of a step is
+     * shared by more query vectors) */
+    const uint32_t qvmax = shmkv_attn_isa() >= SHMKV_ISA_AMX && a->d % 32 == 0 &&
+                           (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16)
+                           ? 4 * QV_MAX : QV_MAX;
+    const uint32_t rt = G >= qvmax ? 1 : qvmax / G;
     pthread_mutex_lock(&P.call_mu);
     int st = SHMKV_ATT_OK;
     if (shmkv_pool_start() != 0) { st = SHMKV_ATT_ENOMEM; goto out; }
-    const int threads = P.nworkers + 1;
+    const int threads = P.wanted;
     shmkv_att_fn = shmkv_att_pick(a->d);
+    shmkv_att_isa_now = shmkv_attn_isa();
 
     /* the base items: (seq, row tile), every head; the work is the keys each reads */
     uint64_t nbase = 0, work = 0;
@@ -609,7 +748,7 @@ double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *s
     pthread_mutex_lock(&P.call_mu);
     double secs = -1;
     if (shmkv_pool_start() == 0) {
-        int t = threads <= 0 || threads > P.nworkers + 1 ? P.nworkers + 1 : threads;
+        int t = threads <= 0 || threads > P.wanted ? P.wanted : threads;
         if (t > 256) t = 256;
         static shmkv_read_job_t j;
         memset(&j, 0, sizeof j);

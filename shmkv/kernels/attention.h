@@ -15,9 +15,12 @@
  * rows of one small GEMM over each K/V tile, so each K/V element is loaded and converted once
  * per group.
  *
- * Threads: a pool of the library's own (pthreads), sized to the affinity mask, resizable,
- * one call at a time (a process-wide call mutex), safe across fork(): the child forgets the
- * parent's threads and starts its own on first use.
+ * Threads: sized to the affinity mask, resizable, one call at a time (a process-wide call
+ * mutex).  The items run on the team of an OpenMP runtime already in the process (torch's
+ * libgomp, found at run time, never linked) so the kernel shares the cores with torch's
+ * threads instead of fighting them; otherwise on a pool of the library's own (pthreads).
+ * Safe across fork(): the child forgets the parent's threads, never uses OpenMP, and starts
+ * its own pool on first use.
  */
 #ifndef SHMKV_ATTENTION_H
 #define SHMKV_ATTENTION_H
@@ -27,7 +30,8 @@
 enum { SHMKV_ATT_F32 = 0, SHMKV_ATT_F16 = 1, SHMKV_ATT_BF16 = 2,
        SHMKV_ATT_I8 = 3,        /* int8 codes, a float32 scale per slot and kv head */
        SHMKV_ATT_E4M3 = 4 };    /* float8 e4m3fn codes, a float32 scale per kv head */
-enum { SHMKV_ISA_SCALAR = 0, SHMKV_ISA_AVX2 = 1, SHMKV_ISA_AVX512 = 2 };
+enum { SHMKV_ISA_SCALAR = 0, SHMKV_ISA_AVX2 = 1, SHMKV_ISA_AVX512 = 2,
+       SHMKV_ISA_AMX = 3 };     /* AVX-512 + prefill items on AMX-BF16 tiles */
 enum { SHMKV_ATT_OK = 0, SHMKV_ATT_ECORRUPT = 1, SHMKV_ATT_ENOMEM = 2, SHMKV_ATT_EARG = 3 };
 
 typedef struct {
@@ -60,6 +64,10 @@ int shmkv_attn_get_threads(void);
 int shmkv_attn_cpu_isa(void);          /* the best path this CPU runs */
 int shmkv_attn_isa(void);              /* the path in use */
 int shmkv_attn_force_isa(int isa);     /* -1 = back to the best; returns 0, or -1 if unsupported */
+/* The pool the items run on: "openmp" when the process has a libgomp loaded (torch's: its
+ * team runs them, see attention.c), else "own" (also in a fork() child and with
+ * SHMKV_ATTN_POOL=own). */
+const char *shmkv_attn_pool(void);
 
 /* The read floor: every byte of buf read once by `threads` threads (0 = the pool's).
  * Returns seconds; *sink receives a checksum so the reads cannot be optimised away. */

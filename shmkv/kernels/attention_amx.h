@@ -1,0 +1,372 @@
+/*
+ * kernels/attention_amx.h -- the prefill work item on AMX tiles (bf16 dot products, fp32
+ * accumulation), included once by attention.c.  Owns nothing; reads pool rows and writes
+ * the caller's scratch, like attention_isa.h.  Every function carries its own target
+ * attribute (no pragma), so GCC and clang build it alike.
+ *
+ * One item = some query rows of one sequence over keys [t0, t1), every head (see attention.c).
+ * Per kv head, the item's query vectors of that head (rows x group members, padded to tiles
+ * of 16) meet the keys 32 at a time, as two small GEMMs on the tile unit:
+ *   S^T [32 keys][16 q] = K [32][d] . Q^T     (K rows straight from a packed copy, Q^T packed
+ *                                              once per head in the pairs layout AMX wants)
+ *   online softmax down the columns (one vector op per key: 16 query vectors at once; the
+ *   causal mask only where the step crosses a row's last key)
+ *   O [16 q][d] += P [16][32] . V [32][d]     (P transposed from S^T, V packed in pairs; O
+ *                                              rescaled only when a column's max moves)
+ * Scores are in log2 units (q times log2(e)), so the softmax is 2^x; m goes out in e units.
+ * Precision: AMX multiplies bf16.  Where an operand is not exactly bf16 it is split, x = hi +
+ * lo with hi = bf16(x), lo = bf16(x - hi), and the products hi.hi + hi.lo + lo.hi summed in
+ * fp32 -- q and P always (fp32: 16 significant bits kept, ~2^-17 relative), K and V of a
+ * float16 pool (11 bits: hi + lo is exact).  bf16 pools are exact as stored.  So the result
+ * is within fp32-accumulation error of the float64 reference, like the FMA paths.
+ */
+#if SHMKV_HAVE_X86
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define SHMKV_AMX_TGT __attribute__((target(                                           \
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,fma,f16c")))
+#define SHMKV_AMX_KS 32                /* keys per step: one bf16 tile's K dimension */
+#define SHMKV_AMX_SLACK2 12.0f         /* how far (log2 units) a score may pass its column's
+                                          max before the max moves (lazy rescaling) */
+
+/* The CPU has AMX-BF16 and AVX512-BF16 and the kernel let this process use the tiles. */
+static int shmkv_amx_usable(void) {
+    static int ok = -1;
+    if (ok >= 0) return ok;
+    unsigned a, b, c, d;
+    ok = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return ok;
+    const int amx = (d >> 22 & 1) && (d >> 24 & 1);           /* AMX-BF16, AMX-TILE */
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return ok;
+    const int bf16 = a >> 5 & 1;                               /* AVX512_BF16 */
+    /* ARCH_REQ_XCOMP_PERM (0x1023), XFEATURE_XTILEDATA (18): per process, kept by fork */
+    if (amx && bf16 && syscall(SYS_arch_prctl, 0x1023, 18) == 0) ok = 1;
+    return ok;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} shmkv_tilecfg_t;
+
+SHMKV_AMX_TGT static inline __m512 shmkv_amx_bf2f(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* hi and lo bf16 halves of 16 floats (hi rounded; P's are split by truncation instead: the
+ * same 16 bits kept, fewer instructions) */
+SHMKV_AMX_TGT static inline void shmkv_amx_split(__m512 x, __m256i *hi, __m256i *lo) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    *hi = h;
+    *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, shmkv_amx_bf2f(h)));
+}
+
+/* 2^x, exactly 0 where x == -inf (x <= SHMKV_AMX_SLACK2 here: no overflow).  The scores
+ * are in log2 units (q carries log2(e)): 2^r on [-1/2, 1/2] by its degree-6 Taylor
+ * polynomial (error ~1e-7), the integer part by vscalefps. */
+SHMKV_AMX_TGT static inline __m512 shmkv_amx_exp2(__m512 x0) {
+    const __m512 x = _mm512_max_ps(x0, _mm512_set1_ps(-127.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ),
+                                  p, n);
+}
+
+/* r[0..15] <- its transpose (16 x 16 floats) */
+SHMKV_AMX_TGT static inline void shmkv_amx_tr16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* 16 elements of a pool row (F16 or BF16) as floats */
+SHMKV_AMX_TGT static inline __m512 shmkv_amx_ld(const uint8_t *p, int dt) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    return dt == SHMKV_ATT_F16 ? _mm512_cvtph_ps(x) : shmkv_amx_bf2f(x);
+}
+
+/* Scratch floats the AMX item needs beyond the FMA item's, for nqh query vectors per head. */
+static size_t shmkv_amx_scratch(uint32_t nqh, uint32_t d) {
+    const size_t nq = ((size_t)nqh + 15) / 16 * 16;
+    return 2 * nq * d / 2                 /* Q^T hi, lo: bf16, as floats */
+         + 4 * SHMKV_AMX_KS * (size_t)d / 2   /* K hi, lo; V hi, lo packed */
+         + SHMKV_AMX_KS * 16 + 16 * 32 + 16 * 16   /* S^T, P hi+lo, spare */
+         + nq * d + 4 * nq + 64;          /* O, m, l, alpha, lim */
+}
+
+/* The item on tiles (kv dtype F16 or BF16, d % 32 == 0, d <= 512).  Same contract as
+ * shmkv_att_item_*: acc [nqv][d], m [nqv], l [nqv] after it; 0 or -1 (corrupt block id). */
+SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const shmkv_item_t *it,
+                                            float *qf, float *acc, uint32_t nqv, float *xs) {
+    const uint32_t d = a->d, G = a->hq / a->hkv, bs = a->block_size, nqh = it->nrows * G;
+    const uint32_t nqt = (nqh + 15) / 16, nq = nqt * 16;
+    const int dt = a->kv_dtype, f16 = dt == SHMKV_ATT_F16;
+    float *m_out = acc + (size_t)nqv * d, *l_out = m_out + nqv;
+    const uint32_t L = a->seq_lens[it->seq], ql = a->q_lens[it->seq];
+    const uint32_t first = L - ql + it->row0;
+    const int32_t *table = a->tables[it->seq];
+    const size_t tok = (size_t)a->hkv * d * 2, hstride = (size_t)d * 2;
+    /* scratch, 64-byte pieces */
+    uint16_t *qhi = (uint16_t *)xs, *qlo = qhi + (size_t)nq * d;
+    uint16_t *khi = qlo + (size_t)nq * d, *klo = khi + SHMKV_AMX_KS * d;
+    uint16_t *vhi = klo + SHMKV_AMX_KS * d, *vlo = vhi + SHMKV_AMX_KS * d;
+    float *st = (float *)(vlo + SHMKV_AMX_KS * d);      /* S^T [32][16] */
+    uint16_t *phi = (uint16_t *)(st + SHMKV_AMX_KS * 16), *plo = phi + 16 * 32;
+    float *O = (float *)(plo + 16 * 32) + 256, *m = O + (size_t)nq * d, *l = m + nq, *alpha = l + nq;
+    int32_t *lim = (int32_t *)(alpha + nq);
+    size_t rows[SHMKV_AMX_KS];               /* the step's row offsets in the pools */
+
+    shmkv_tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+
+    for (uint32_t v = 0; v < nq; v++) {
+        const uint32_t r = v < nqh ? v / G : it->nrows - 1;   /* padding: any valid row */
+        lim[v] = (int32_t)(first + r + 1);
+    }
+    int rc = 0;
+    for (uint32_t h = 0; h < a->hkv; h++) {
+        /* Q^T of this head in the pairs layout [tile][d/2][16 q][2], split hi + lo: per
+         * tile and 32 dims, 16 rows of 16 dim pairs (one dword each) transposed */
+        for (uint32_t q0 = 0; q0 < nq; q0 += 16)
+            for (uint32_t x = 0; x < d; x += 32) {
+                __m512 rh[16], rl[16];
+                for (uint32_t c = 0; c < 16; c++) {
+                    if (q0 + c >= nqh) { rh[c] = rl[c] = _mm512_setzero_ps(); continue; }
+                    const float *q = qf + ((size_t)h * nqh + q0 + c) * d + x;
+                    const __m512 lg = _mm512_set1_ps(1.44269504088896f);   /* log2(e) */
+                    __m256i h0, l0, h1, l1;
+                    shmkv_amx_split(_mm512_mul_ps(_mm512_loadu_ps(q), lg), &h0, &l0);
+                    shmkv_amx_split(_mm512_mul_ps(_mm512_loadu_ps(q + 16), lg), &h1, &l1);
+                    rh[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+                    rl[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1));
+                }
+                shmkv_amx_tr16(rh);
+                shmkv_amx_tr16(rl);
+                const size_t o = (size_t)q0 * d + (size_t)x * 16;   /* 16 rows of 32 bf16 */
+                for (uint32_t i = 0; i < 16; i++) {
+                    _mm512_storeu_ps((float *)(qhi + o + 32 * i), rh[i]);
+                    _mm512_storeu_ps((float *)(qlo + o + 32 * i), rl[i]);
+                }
+            }
+        for (uint32_t v = 0; v < nq; v++) { m[v] = -INFINITY; l[v] = 0; }
+        memset(O, 0, (size_t)nq * d * sizeof(float));
+        for (uint32_t ts = it->t0; ts < it->t1; ts += SHMKV_AMX_KS) {
+            const uint32_t nt = it->t1 - ts < SHMKV_AMX_KS ? it->t1 - ts : SHMKV_AMX_KS;
+            /* the step's rows of this head; block ids read once and checked */
+            uint32_t cur = UINT32_MAX, blk = 0;
+            for (uint32_t j = 0; j < nt; j++) {
+                const uint32_t t = ts + j, bi = t / bs;
+                if (bi != cur) {
+                    if (shmkv_att_block(a, table, bi, &blk)) { rc = -1; goto done; }
+                    cur = bi;
+                }
+                rows[j] = ((size_t)blk * bs + t % bs) * tok + h * hstride;
+            }
+            /* K [32][d] bf16 (hi, and lo for float16); V packed in key pairs:
+             * [16 pairs][d][2]; rows past nt are zeros */
+            for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
+                uint16_t *kh = khi + (size_t)j * d, *kl = klo + (size_t)j * d;
+                if (j >= nt) {
+                    memset(kh, 0, hstride);
+                    if (f16) memset(kl, 0, hstride);
+                    continue;
+                }
+                const uint8_t *kr = a->kpool + rows[j];
+                if (!f16) { memcpy(kh, kr, hstride); continue; }
+                for (uint32_t x = 0; x < d; x += 16) {
+                    __m256i hi, lo;
+                    shmkv_amx_split(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kr + 2 * x))),
+                                    &hi, &lo);
+                    _mm256_storeu_si256((__m256i *)(kh + x), hi);
+                    _mm256_storeu_si256((__m256i *)(kl + x), lo);
+                }
+            }
+            const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41,
+                                                 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17,
+                                                 15, 13, 11, 9, 7, 5, 3, 1);   /* high words */
+            const __m512i ilv = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                                 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+                                                 35, 3, 34, 2, 33, 1, 32, 0);
+            for (uint32_t p = 0; p < SHMKV_AMX_KS / 2; p++) {
+                const uint32_t j0 = 2 * p, j1 = 2 * p + 1;
+                const uint8_t *v0 = j0 < nt ? a->vpool + rows[j0] : NULL;
+                const uint8_t *v1 = j1 < nt ? a->vpool + rows[j1] : NULL;
+                uint16_t *vh = vhi + (size_t)p * 2 * d, *vl = vlo + (size_t)p * 2 * d;
+                if (!f16) {                     /* bf16 as stored: interleave the words */
+                    for (uint32_t x = 0; x < d; x += 16) {
+                        const __m256i w0 = v0 ? _mm256_loadu_si256((const __m256i *)(v0 + 2 * x))
+                                              : _mm256_setzero_si256();
+                        const __m256i w1 = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 2 * x))
+                                              : _mm256_setzero_si256();
+                        _mm512_storeu_si512(vh + 2 * x, _mm512_permutex2var_epi16(
+                            _mm512_castsi256_si512(w0), ilv, _mm512_castsi256_si512(w1)));
+                    }
+                    continue;
+                }
+                for (uint32_t x = 0; x < d; x += 16) {
+                    const __m512 a0 = v0 ? shmkv_amx_ld(v0 + 2 * x, dt) : _mm512_setzero_ps();
+                    const __m512 a1 = v1 ? shmkv_amx_ld(v1 + 2 * x, dt) : _mm512_setzero_ps();
+                    __m256i h0, l0, h1, l1;
+                    shmkv_amx_split(a0, &h0, &l0);
+                    shmkv_amx_split(a1, &h1, &l1);
+                    _mm512_storeu_si512(vh + 2 * x, _mm512_permutex2var_epi16(
+                        _mm512_castsi256_si512(h0), ilv, _mm512_castsi256_si512(h1)));
+                    if (f16)
+                        _mm512_storeu_si512(vl + 2 * x, _mm512_permutex2var_epi16(
+                            _mm512_castsi256_si512(l0), ilv, _mm512_castsi256_si512(l1)));
+                }
+            }
+            for (uint32_t qt = 0; qt < nqt; qt++) {
+                const uint32_t q0 = qt * 16;
+                int32_t lo_lim = INT32_MAX, hi_lim = 0;
+                for (uint32_t c = 0; c < 16; c++) {
+                    if (lim[q0 + c] < lo_lim) lo_lim = lim[q0 + c];
+                    if (lim[q0 + c] > hi_lim) hi_lim = lim[q0 + c];
+                }
+                if ((int64_t)ts >= hi_lim) continue;          /* past every row's last key */
+                const int two = nt > 16;
+                /* S^T = K . Q^T over d in chunks of 32 */
+                _tile_zero(0);
+                _tile_zero(1);
+                for (uint32_t x = 0; x < d; x += 32) {
+                    const size_t qo = (size_t)q0 * d + (size_t)x * 16;
+                    _tile_loadd(3, qhi + qo, 64);
+                    _tile_loadd(4, qlo + qo, 64);
+                    _tile_loadd(2, khi + x, (long)hstride);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(0, 2, 4);
+                    if (f16) {
+                        _tile_loadd(2, klo + x, (long)hstride);
+                        _tile_dpbf16ps(0, 2, 3);
+                    }
+                    if (two) {
+                        _tile_loadd(2, khi + 16 * d + x, (long)hstride);
+                        _tile_dpbf16ps(1, 2, 3);
+                        _tile_dpbf16ps(1, 2, 4);
+                        if (f16) {
+                            _tile_loadd(2, klo + 16 * d + x, (long)hstride);
+                            _tile_dpbf16ps(1, 2, 3);
+                        }
+                    }
+                }
+                _tile_stored(0, st, 64);
+                if (two) _tile_stored(1, st + 256, 64);
+                /* online softmax down the columns: one vector = 16 query vectors */
+                __m512 s[SHMKV_AMX_KS];
+                const __m512i limv = _mm512_loadu_si512(lim + q0);
+                const int full = ts + nt <= (uint32_t)lo_lim;
+                __m512 mt = _mm512_set1_ps(-INFINITY);
+                for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
+                    if (j >= nt) { s[j] = _mm512_set1_ps(-INFINITY); continue; }
+                    s[j] = _mm512_loadu_ps(st + 16 * j);
+                    if (!full)                                 /* the causal diagonal */
+                        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
+                                                  _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(ts + j))),
+                                                  s[j]);
+                    mt = _mm512_max_ps(mt, s[j]);
+                }
+                /* lazy rescaling: a column's reference max moves only when a score
+                 * passes it by more than SHMKV_AMX_SLACK2 (or on its first visible key),
+                 * so most steps have alpha == 1 and accumulate straight into O on the
+                 * tiles; p = 2^(s - m) <= 2^SLACK2 stays far from fp32's range */
+                const __m512 mo = _mm512_loadu_ps(m + q0), ninf = _mm512_set1_ps(-INFINITY);
+                const __mmask16 up = _mm512_cmp_ps_mask(
+                    mt, _mm512_add_ps(mo, _mm512_set1_ps(SHMKV_AMX_SLACK2)), _CMP_GT_OQ);
+                const __m512 mn = _mm512_mask_max_ps(mo, up, mo, mt);
+                /* -inf - -inf: a column with nothing visible yet subtracts 0 instead */
+                const __m512 mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ),
+                                                     _mm512_setzero_ps());
+                __m512 sum = _mm512_setzero_ps();
+                for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
+                    s[j] = shmkv_amx_exp2(_mm512_sub_ps(s[j], mu));
+                    sum = _mm512_add_ps(sum, s[j]);
+                }
+                if (up) {                       /* some columns moved: rescale their O, l */
+                    const __m512 al = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), up,
+                                                         shmkv_amx_exp2(_mm512_sub_ps(mo, mu)));
+                    _mm512_storeu_ps(l + q0, _mm512_fmadd_ps(_mm512_loadu_ps(l + q0), al, sum));
+                    _mm512_storeu_ps(alpha, al);
+                    for (uint32_t c = 0; c < 16; c++) {
+                        if (!(up >> c & 1)) continue;
+                        const __m512 ac = _mm512_set1_ps(alpha[c]);
+                        float *o = O + (size_t)(q0 + c) * d;
+                        for (uint32_t x = 0; x < d; x += 16)
+                            _mm512_storeu_ps(o + x, _mm512_mul_ps(_mm512_loadu_ps(o + x), ac));
+                    }
+                } else {
+                    _mm512_storeu_ps(l + q0, _mm512_add_ps(_mm512_loadu_ps(l + q0), sum));
+                }
+                _mm512_storeu_ps(m + q0, mn);
+                /* P [16 q][32 keys] = (S^T)^T, split hi + lo */
+                shmkv_amx_tr16(s);
+                shmkv_amx_tr16(s + 16);
+                for (uint32_t c = 0; c < 16; c++) {   /* hi by truncation: one permute */
+                    const __m512i hm = _mm512_set1_epi32((int)0xffff0000u);
+                    const __m512 t0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s[c]), hm));
+                    const __m512 t1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s[16 + c]), hm));
+                    _mm512_storeu_si512(phi + 32 * c, _mm512_permutex2var_epi16(
+                        _mm512_castps_si512(s[c]), odd, _mm512_castps_si512(s[16 + c])));
+                    _mm512_storeu_si512(plo + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(
+                        _mm512_sub_ps(s[16 + c], t1), _mm512_sub_ps(s[c], t0)));
+                }
+                /* O += P . V, 16 columns of d at a time, accumulated on the tile */
+                _tile_loadd(6, phi, 64);
+                _tile_loadd(7, plo, 64);
+                for (uint32_t x = 0; x < d; x += 16) {
+                    float *o = O + (size_t)q0 * d + x;
+                    _tile_loadd(5, o, (long)(4 * d));
+                    _tile_loadd(2, vhi + 2 * x, (long)(4 * d));
+                    _tile_dpbf16ps(5, 6, 2);
+                    _tile_dpbf16ps(5, 7, 2);
+                    if (f16) {
+                        _tile_loadd(2, vlo + 2 * x, (long)(4 * d));
+                        _tile_dpbf16ps(5, 6, 2);
+                    }
+                    _tile_stored(5, o, (long)(4 * d));
+                }
+            }
+        }
+        for (uint32_t v = 0; v < nqh; v++) {                /* this head's vectors out */
+            memcpy(acc + ((size_t)h * nqh + v) * d, O + (size_t)v * d, d * sizeof(float));
+            m_out[h * nqh + v] = m[v] * 0.69314718055994531f;   /* back to e units */
+            l_out[h * nqh + v] = l[v];
+        }
+    }
+done:
+    _tile_release();
+    return rc;
+}
+#endif

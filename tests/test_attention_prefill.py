@@ -1,0 +1,92 @@
+"""Prefill (several query rows per sequence) at the shapes the tile path takes: head_dim a
+multiple of 32, float16/bfloat16 pools, groups that do not fill a tile, blocks that do not
+line up with the 32-key steps, keys split over threads -- every ISA path against the
+float64 reference (test_attention.reference)."""
+import numpy as np
+import pytest
+from conftest import ISAS
+from test_attention import _table_entry, assert_close, fill, reference
+
+import shmkv
+from shmkv import _attention
+
+
+@pytest.fixture
+def two_threads():
+    before = _attention.get_num_threads()
+    _attention.set_num_threads(2)
+    try:
+        yield
+    finally:
+        _attention.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("d,hkv,hq,bs", [(64, 3, 9, 16), (128, 2, 8, 5), (32, 1, 1, 7),
+                                         (64, 2, 32, 16)])
+def test_prefill_tiles_match_reference(make_cache, isa, two_threads, dtype, d, hkv, hq, bs):
+    cache = make_cache(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=700 // bs * 4,
+                       block_size=bs, dtype=dtype)
+    rng = np.random.default_rng(d + hq + bs)
+    lengths, q_lens = [700, 45, 33, 130], [70, 45, 1, 33]
+    sids = [cache.create_sequence() for _ in lengths]
+    for sid, n in zip(sids, lengths):
+        fill(cache, sid, n, rng, scale=2.0)     # sharper softmax than unit scores
+    q = rng.standard_normal((sum(q_lens), hq, d)).astype(np.float32)
+    assert_close(cache.attention(0, q, sids, q_lens=q_lens),
+                 reference(cache, 0, q, sids, q_lens))
+
+
+def test_one_long_prefill_split_over_threads(make_cache, isa, two_threads):
+    """Few row tiles and many keys: the keys are split into chunks merged by log-sum-exp."""
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=300,
+                       block_size=16, dtype="bfloat16")
+    rng = np.random.default_rng(3)
+    sid = cache.create_sequence()
+    fill(cache, sid, 4000, rng)
+    q = rng.standard_normal((24, 8, 64)).astype(np.float32)
+    assert_close(cache.attention(0, q, [sid], q_lens=[24]), reference(cache, 0, q, [sid], [24]))
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="this CPU has no AMX-BF16 (the tile path)")
+def test_tile_path_is_the_one_taken_and_agrees_with_avx512(make_cache):
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=64,
+                       block_size=16, dtype="float16")
+    rng = np.random.default_rng(4)
+    sid = cache.create_sequence()
+    fill(cache, sid, 600, rng)
+    q = rng.standard_normal((40, 8, 64)).astype(np.float32)
+    before = _attention.isa()
+    try:
+        _attention._force_isa("avx512")
+        fma = cache.attention(0, q, [sid], q_lens=[40])
+        _attention._force_isa("amx")
+        tiles = cache.attention(0, q, [sid], q_lens=[40])
+    finally:
+        _attention._force_isa(before)
+    # different arithmetic (split bf16 products on tiles vs fp32 FMAs), the same answer
+    assert not np.array_equal(fma, tiles)
+    assert np.abs(fma - tiles).max() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bad", [-7, 10 ** 6])
+def test_corrupt_block_table_in_a_prefill_is_segment_error(make_cache, isa, dtype, bad):
+    """A block id read from shared memory is checked on the tile path too (the tile state
+    is released on the way out: the next call works)."""
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=64,
+                       block_size=16, dtype=dtype)
+    rng = np.random.default_rng(6)
+    sid = cache.create_sequence()
+    fill(cache, sid, 300, rng)
+    q = rng.standard_normal((40, 8, 64)).astype(np.float32)
+    entry = _table_entry(cache, sid, 17)                 # a block the last rows read
+    good = int(entry[0])
+    entry[0] = bad
+    try:
+        with pytest.raises(shmkv.SegmentError):
+            cache.attention(0, q, [sid], q_lens=[40])
+    finally:
+        entry[0] = good
+    assert_close(cache.attention(0, q, [sid], q_lens=[40]), reference(cache, 0, q, [sid], [40]))
+    assert cache.check() == []
