@@ -30,8 +30,17 @@ def main(job_path: str, out_path: str) -> None:
               max_model_len=job.get("max_model_len", 4096), max_num_seqs=2,
               enable_prefix_caching=job.get("prefix_caching", True), seed=0, **kw)
     started = time.perf_counter() - t0
-    results = []
+    results: list = []
+
+    def dump() -> None:
+        with open(out_path + ".tmp", "w") as f:
+            json.dump({"results": results, "start_seconds": started}, f)
+        os.replace(out_path + ".tmp", out_path)
+
     for req in job["requests"]:
+        if "continue_from" in req:       # the next turn of a chat: previous prompt + answer
+            prev = results[req["continue_from"]]
+            req["prompt_ids"] = prev["prompt_ids"] + prev["token_ids"] + req["suffix_ids"]
         sp = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"],
                             ignore_eos=req.get("ignore_eos", False))
         prompt = {"prompt_token_ids": req["prompt_ids"]}
@@ -49,11 +58,10 @@ def main(job_path: str, out_path: str) -> None:
         results.append({"token_ids": list(out.outputs[0].token_ids),
                         "text": out.outputs[0].text,
                         "num_cached_tokens": out.num_cached_tokens,
-                        "prompt_len": len(req["prompt_ids"]),
+                        "prompt_ids": req["prompt_ids"],
                         "ttft": ttft, "seconds": time.perf_counter() - t})
-    with open(out_path + ".tmp", "w") as f:
-        json.dump({"results": results, "start_seconds": started}, f)
-    os.replace(out_path + ".tmp", out_path)
+        dump()              # after each request: a later one may kill this engine
+    dump()
 
 
 if __name__ == "__main__":

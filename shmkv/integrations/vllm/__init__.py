@@ -6,6 +6,6 @@ kv_load_failure_policy="recompute", kv_connector_extra_config={"segment": NAME})
 
 Importing this package imports vLLM; ``import shmkv`` never does.
 """
-from .connector import ShmkvConnector, ShmkvConnectorMetadata
+from .connector import ShmkvConnector, ShmkvConnectorMetadata, request_salt
 
-__all__ = ["ShmkvConnector", "ShmkvConnectorMetadata"]
+__all__ = ["ShmkvConnector", "ShmkvConnectorMetadata", "request_salt"]

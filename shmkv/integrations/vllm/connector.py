@@ -49,16 +49,29 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["ShmkvConnector", "ShmkvConnectorMetadata"]
+__all__ = ["ShmkvConnector", "ShmkvConnectorMetadata", "request_salt"]
 
 log = logging.getLogger("shmkv.vllm")
 
-# Test-only fault injection (documented in DEVELOP.md): a comma-separated list of
-#   reset_before_load  the worker drops the segment's prefix index right before a load
+# Test-only fault injection (DEVELOP.md): off unless the engine's environment has
+# SHMKV_VLLM_FAULT=1, and then only for requests whose cache_salt names the fault
+# ("fault:NAME"), so one engine serves clean and faulty requests side by side:
+#   reset_before_load  the worker drops the segment's prefix index right before the load
 #                      (every matched block vanished between the match and the load)
 #   overclaim          the scheduler claims one vLLM block more than it matched
 #   kill_mid_save      the worker SIGKILLs itself after copying half the layers of a save
-_FAULTS = frozenset(f for f in os.environ.get("SHMKV_VLLM_FAULT", "").split(",") if f)
+_FAULTS_ON = os.environ.get("SHMKV_VLLM_FAULT") == "1"
+
+
+def _fault(salt: str, name: str) -> bool:
+    return _FAULTS_ON and f"fault:{name}" in salt
+
+
+def request_salt(model_id: str, cache_salt: Optional[str] = None,
+                 lora_name: Optional[str] = None) -> str:
+    """The prefix-cache salt of a request: model identity, cache_salt and LoRA, so that
+    different models or tenants never share a block."""
+    return f"vllm\x00{model_id}\x00{cache_salt or ''}\x00{lora_name or ''}"
 
 
 @dataclass
@@ -134,8 +147,8 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ salts
     def _salt(self, request: "Request") -> str:
-        lora = request.lora_request.lora_name if request.lora_request is not None else ""
-        return f"vllm\x00{self._model_id}\x00{request.cache_salt or ''}\x00{lora}"
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        return request_salt(self._model_id, request.cache_salt, lora)
 
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: "Request",
@@ -158,7 +171,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             log.warning("shmkv: match_prefix failed (%s: %s); no hit", type(e).__name__, e)
             return 0, False
         hit = hit // vb * vb
-        if "overclaim" in _FAULTS and hit + vb <= limit:
+        if _fault(st.salt, "overclaim") and hit + vb <= limit:
             hit += vb
         if hit <= num_computed_tokens:
             return 0, False
@@ -290,7 +303,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         try:
             if self._layout is None:
                 raise RuntimeError("loading is off")
-            if "reset_before_load" in _FAULTS:
+            if _fault(op.salt, "reset_before_load"):
                 kv.reset_prefix_cache()
             sid = kv.create_sequence(tokens=op.tokens, salt=op.salt)
             have = min(kv.seq_len(sid), op.end) // vb * vb
@@ -356,7 +369,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             vblk, sub = vblk[have // bs:], sub[have // bs:]
             half = len(self._layers) // 2
             for i, (t, kp, vp) in enumerate(self._layers):
-                if i == half and "kill_mid_save" in _FAULTS:
+                if i == half and _fault(op.salt, "kill_mid_save"):
                     os.kill(os.getpid(), signal.SIGKILL)
                 k, v = self._layout.read(t, bs, vblk, sub)
                 kp[dst] = k
