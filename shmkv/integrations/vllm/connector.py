@@ -142,6 +142,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._layout: Optional[CpuLayout] = None
         self._load_errors: set[int] = set()
+        self._short_reqs: set[str] = set()       # requests whose load fell short this step
         self.stats = {"loaded_tokens": 0, "load_shortfall_tokens": 0, "saved_tokens": 0,
                       "save_errors": 0, "load_errors": 0}
 
@@ -230,6 +231,19 @@ class ShmkvConnector(KVConnectorBase_V1):
                 st.saved_upto = full
         return meta
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks the worker could not load were computed from garbage in that step and
+        are recomputed by vLLM: they are not in the segment, so plan to save them again."""
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad:
+            return
+        vb = self._vb
+        for st in self._reqs.values():
+            for i, b in enumerate(st.blocks[:st.saved_upto // vb]):
+                if b in bad:
+                    st.saved_upto = i * vb
+                    break
+
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
@@ -293,6 +307,7 @@ class ShmkvConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, ShmkvConnectorMetadata)
+        self._short_reqs = set()
         for op in meta.loads:
             self._load(op)
 
@@ -329,6 +344,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         if good < op.end:
             failed = op.block_ids[(good - op.start) // vb:]
             self._load_errors.update(failed)
+            self._short_reqs.add(op.req_id)
             self.stats["load_shortfall_tokens"] += op.end - good
             self.stats["load_errors"] += 1
 
@@ -349,7 +365,10 @@ class ShmkvConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, ShmkvConnectorMetadata)
         for op in meta.saves:
-            self._save(op)
+            # a request whose load fell short was computed this step on blocks that hold
+            # no valid K/V: vLLM recomputes it, and saves it then (update_connector_output)
+            if op.req_id not in self._short_reqs:
+                self._save(op)
 
     def _save(self, op: SaveOp) -> None:
         kv, bs = self._kv, self._bs
