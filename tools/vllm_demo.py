@@ -107,7 +107,7 @@ def main() -> None:
             {"prompt_ids": first[i], "max_tokens": 48, "ttft": True} for i in a_idx]},
             args.core)
         b_reqs = [{"prompt_ids": first[i], "max_tokens": 48, "ttft": True} for i in b_idx]
-        for j, i in enumerate(a_idx):
+        for j in range(len(a_idx)):
             b_reqs.append({"prompt_ids": A[j]["prompt_ids"] + A[j]["token_ids"] + follow,
                            "max_tokens": 16, "ttft": True})
         B = _run(tmp, "B", {**common, "extra": extra, "requests": b_reqs}, args.core)
@@ -129,7 +129,7 @@ def main() -> None:
                   f"{r['num_cached_tokens']:6} {r['ttft']:6.2f}s {b['ttft']:6.2f}s  "
                   f"{'yes' if same else 'NO'}")
         print("\nanswers (B):")
-        for inst, what, r, _ in rows[len(a_idx):]:
+        for _inst, what, r, _ in rows[len(a_idx):]:
             print(f"  [{what}] {r['text'].strip()[:110]!r}")
         kv = shmkv.KVCache.attach(seg)
         st = kv.stats()

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import unique_name  # tests/conftest.py
 
 try:
@@ -235,11 +234,11 @@ def test_worker_killed_mid_save_leaves_segment_consistent(runs):
 
 
 def test_wrong_layout_refused_at_start(tmp_path):
-    import shmkv
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs
 
+    import shmkv
     from shmkv.integrations.vllm import ShmkvConnector
 
     seg = unique_name("vllm-bad")

@@ -55,8 +55,7 @@ def _replay(zmq, ctx, rep_ep, topic_frame: bool):
 def test_default_schema_decodes_with_vllms_own_classes(make_cache):
     msgspec = pytest.importorskip("msgspec")
     zmq = pytest.importorskip("zmq")
-    from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                            KVEventBatch)
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
     cache = make_cache(event_capacity=64, num_blocks=8, block_size=BS)
     kv = np.zeros((2, 3 * BS, 2, 8), np.float16)

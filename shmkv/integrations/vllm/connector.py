@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,

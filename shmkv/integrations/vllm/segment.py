@@ -44,6 +44,11 @@ def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> Segment
         raise ValueError("shmkv: kv_connector_extra_config needs \"segment\": a segment name, "
                          f"got {name!r}")
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+    if tp != 1 or pp != 1:
+        # each rank holds a slice of the heads or layers: they would share shmkv blocks
+        raise ValueError(f"shmkv: the connector supports one worker per instance "
+                         f"(tensor_parallel_size 1, pipeline_parallel_size 1), got {tp}, {pp}")
     if cc.cache_dtype not in ("auto", None) and not str(cc.cache_dtype).startswith(
             ("float32", "float16", "bfloat16")):
         raise ValueError(f"shmkv: kv_cache_dtype {cc.cache_dtype!r} is not supported "
