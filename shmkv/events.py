@@ -19,7 +19,18 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Deque, Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Deque,
+    Dict,
+    Iterable,
+    List,
+    NamedTuple,
+    Optional,
+    Tuple,
+    Union,
+)
 
 if TYPE_CHECKING:
     from .vllm_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -77,7 +88,7 @@ def to_vllm(events: Iterable[Event], medium: Optional[str] = "CPU", schema: str 
     from .vllm_events import classes
 
     stored_t, removed_t, cleared_t, _ = classes(schema)
-    extra: dict = {"lora_name": None} if schema != "0.11" else {}
+    extra: Dict[str, Any] = {"lora_name": None} if schema != "0.11" else {}
     out: List[Any] = []
     for ev in events:
         last = out[-1] if out else None

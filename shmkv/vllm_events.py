@@ -105,14 +105,14 @@ class LegacyKVEventBatch(EventBatch):
     events: List[Union[LegacyBlockStored, LegacyBlockRemoved, LegacyAllBlocksCleared]]
 
 
-_CLASSES: Dict[str, Tuple[type, type, type, type]] = {
+_CLASSES: Dict[str, Tuple[Any, Any, Any, Any]] = {
     "0.32": (BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch),
     "0.11": (LegacyBlockStored, LegacyBlockRemoved, LegacyAllBlocksCleared,
              LegacyKVEventBatch),
 }
 
 
-def classes(schema: str = DEFAULT_SCHEMA) -> Tuple[type, type, type, type]:
+def classes(schema: str = DEFAULT_SCHEMA) -> Tuple[Any, Any, Any, Any]:
     """``(BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch)`` of a schema."""
     try:
         return _CLASSES[schema]
