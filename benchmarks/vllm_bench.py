@@ -133,8 +133,10 @@ def engines(reps: int, core: str) -> list[dict]:
     text = text * 3
 
     def prompt(n: int, i: int) -> list[int]:
-        ids = tok.encode(text[i * 997:], add_special_tokens=False)
-        return ids[:n]
+        start = (i * 997) % 30000             # distinct prompts: no shared prefix
+        ids = tok.encode(text[start:start + 8 * n], add_special_tokens=False)[:n]
+        assert len(ids) == n, (n, len(ids))
+        return ids
 
     sizes = (1024, 4096)
     prompts = {(n, i): prompt(n, 50 + i * 7 + n // 64) for n in sizes for i in range(reps)}

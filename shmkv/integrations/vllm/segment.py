@@ -70,7 +70,7 @@ def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> Segment
     cfg = shmkv.CacheConfig(num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
                             num_blocks=num_blocks, block_size=bs, dtype=dtype,
                             max_seqs=max_seqs,
-                            event_capacity=int(extra.get("event_capacity", 0)))
+                            event_capacity=int(extra.get("event_capacity", 4096)))
     return SegmentSpec(name=name, config=cfg, vllm_block_size=vb)
 
 
