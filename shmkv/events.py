@@ -4,7 +4,8 @@
 holds those two types (pure Python, imported by ``import shmkv``) and the bridge to
 vLLM's wire format: :class:`ZmqEventPublisher` (ZMQ PUB + replay ROUTER, the socket
 pattern of vLLM's ``ZmqEventPublisher``) and :func:`to_vllm`, which build on
-:mod:`shmkv.vllm_events` (the msgspec schema of vLLM v0.11.0).  pyzmq and msgspec (the
+:mod:`shmkv.vllm_events` (the msgspec schemas of vLLM 0.32, the default, and v0.11.0).
+pyzmq and msgspec (the
 ``events`` extra) are imported only when a publisher is made or an event converted.
 
 Block hashes are sent as vLLM sends them (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, its
@@ -18,15 +19,27 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Deque, Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Deque,
+    Dict,
+    Iterable,
+    List,
+    NamedTuple,
+    Optional,
+    Tuple,
+    Union,
+)
 
 if TYPE_CHECKING:
     from .vllm_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["Event", "EventBatch", "VLLM_VERSION", "to_vllm", "ZmqEventPublisher"]
 
-#: the vLLM release whose event schema and publisher protocol shmkv follows
-VLLM_VERSION = "0.11.0"
+#: the vLLM release whose event schema and publisher protocol shmkv follows by default
+#: (``schema="0.11"`` gives v0.11.0's)
+VLLM_VERSION = "0.32"
 
 
 class Event(NamedTuple):
@@ -61,7 +74,7 @@ class EventBatch(NamedTuple):
     """Events with ``seq >= since`` overwritten before they could be read."""
 
 
-def to_vllm(events: Iterable[Event], medium: Optional[str] = "CPU"
+def to_vllm(events: Iterable[Event], medium: Optional[str] = "CPU", schema: str = "0.32"
             ) -> List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
     """shmkv events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``.
 
@@ -69,44 +82,49 @@ def to_vllm(events: Iterable[Event], medium: Optional[str] = "CPU"
     hash) become one ``BlockStored`` with their hashes and token ids in order, and
     consecutive "removed" events one ``BlockRemoved``, as vLLM groups a request's
     blocks.  ``medium``: where the blocks live (vLLM's ``"GPU"`` / ``"CPU"``); a shmkv
-    pool is host memory.
+    pool is host memory.  ``schema``: ``"0.32"`` (maps, with ``lora_name``) or
+    ``"0.11"`` (v0.11.0's arrays); see :mod:`shmkv.vllm_events`.
     """
-    from .vllm_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from .vllm_events import classes
 
-    out: List[Union[BlockStored, BlockRemoved, AllBlocksCleared]] = []
+    stored_t, removed_t, cleared_t, _ = classes(schema)
+    extra: Dict[str, Any] = {"lora_name": None} if schema != "0.11" else {}
+    out: List[Any] = []
     for ev in events:
         last = out[-1] if out else None
         if ev.kind == "stored":
-            if (isinstance(last, BlockStored) and last.block_size == ev.block_size
+            if (isinstance(last, stored_t) and last.block_size == ev.block_size
                     and ev.parent_block_hash == last.block_hashes[-1]):
                 last.block_hashes.extend(ev.block_hashes)
                 last.token_ids.extend(ev.token_ids)
             else:
-                out.append(BlockStored(
+                out.append(stored_t(
                     block_hashes=list(ev.block_hashes), parent_block_hash=ev.parent_block_hash,
                     token_ids=list(ev.token_ids), block_size=ev.block_size, lora_id=None,
-                    medium=medium))
+                    medium=medium, **extra))
         elif ev.kind == "removed":
-            if isinstance(last, BlockRemoved):
+            if isinstance(last, removed_t):
                 last.block_hashes.extend(ev.block_hashes)
             else:
-                out.append(BlockRemoved(block_hashes=list(ev.block_hashes), medium=medium))
+                out.append(removed_t(block_hashes=list(ev.block_hashes), medium=medium))
         elif ev.kind == "cleared":
-            out.append(AllBlocksCleared())
+            out.append(cleared_t())
     return out
 
 
 class ZmqEventPublisher:
-    """Publishes KV event batches the way vLLM's ``ZmqEventPublisher`` (v0.11.0) does.
+    """Publishes KV event batches the way vLLM's ``ZmqEventPublisher`` does (0.32 by
+    default, v0.11.0 with ``schema="0.11"``).
 
     * PUB socket bound to ``endpoint``: each batch is the multipart message
       ``[topic, seq (8 bytes, big-endian), msgpack(KVEventBatch)]``; ``seq`` counts
       batches from 0 (an event consumer detects a gap by it).
     * ROUTER socket bound to ``replay_endpoint`` (optional): a request whose last frame
       is a start seq (8 bytes, big-endian) gets every buffered batch with
-      ``seq >= start`` as ``[seq, payload]`` and then the end marker
-      ``[(-1).to_bytes(8, "big", signed=True), b""]``.  The last ``buffer_steps``
-      batches are kept.
+      ``seq >= start`` as ``[topic, seq, payload]`` and then the end marker
+      ``[b"", (-1).to_bytes(8, "big", signed=True), b""]`` (0.32; v0.11.0 sends no topic
+      frame: ``[seq, payload]``, ``[-1, b""]``).  The last ``buffer_steps`` batches are
+      kept.
 
     Single-threaded: call :meth:`publish` and :meth:`service_replay` from one thread
     (the CLI's loop).  :meth:`close` closes both sockets.
@@ -116,9 +134,15 @@ class ZmqEventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *,
                  topic: str = "", buffer_steps: int = 10_000, hwm: int = 100_000,
-                 data_parallel_rank: int = 0, medium: Optional[str] = "CPU") -> None:
+                 data_parallel_rank: int = 0, medium: Optional[str] = "CPU",
+                 schema: str = "0.32") -> None:
         import msgspec
         import zmq
+
+        from .vllm_events import classes
+
+        self._batch_t = classes(schema)[3]      # ValueError for an unknown schema
+        self.schema = schema
 
         self._zmq = zmq
         self._ctx: Any = zmq.Context.instance()
@@ -146,12 +170,10 @@ class ZmqEventPublisher:
 
     def publish(self, events: List[Event]) -> int:
         """Send ``events`` as one ``KVEventBatch`` (nothing if empty); -> its seq or -1."""
-        from .vllm_events import KVEventBatch
-
-        wire = to_vllm(events, self.medium)
+        wire = to_vllm(events, self.medium, self.schema)
         if not wire:
             return -1
-        batch = KVEventBatch(ts=time.time(), events=wire, data_parallel_rank=self._dp_rank)
+        batch = self._batch_t(ts=time.time(), events=wire, data_parallel_rank=self._dp_rank)
         payload = self._encoder.encode(batch)
         seq = self.next_seq
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
@@ -175,10 +197,13 @@ class ZmqEventPublisher:
                       file=sys.stderr)
                 continue
             ident, start = frames[0], int.from_bytes(frames[-1], "big")
+            legacy = self.schema == "0.11"
             for seq, buf in self._buffer:
                 if seq >= start:
-                    self._replay.send_multipart((ident, b"", seq.to_bytes(8, "big"), buf))
-            self._replay.send_multipart((ident, b"", self.END_SEQ, b""))
+                    head = (ident, b"") if legacy else (ident, b"", self._topic)
+                    self._replay.send_multipart((*head, seq.to_bytes(8, "big"), buf))
+            end = (ident, b"") if legacy else (ident, b"", b"")
+            self._replay.send_multipart((*end, self.END_SEQ, b""))
             n += 1
         return n
 

@@ -228,8 +228,12 @@ def test_every_command_on_a_live_segment(shmkv_cli, names, workers, tmp_path):
         by_pid = {p["pid"]: p for p in procs}
         assert pids <= set(by_pid) and os.getpid() in by_pid
         assert all(p["alive"] for p in procs)
+        # each process's command line (vLLM's processes show their titles: VLLM::Worker...)
+        with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
+            mine = f.read().rstrip(b"\0").replace(b"\0", b" ").decode()
+        assert by_pid[os.getpid()]["command"] == mine and "python" in mine
         r = shmkv_cli("procs", name)
-        assert r.returncode == 0 and "DEAD" not in r.stdout
+        assert r.returncode == 0 and "DEAD" not in r.stdout and "COMMAND" in r.stdout
 
         # check under load: consistent
         r = shmkv_cli("check", name)

@@ -276,10 +276,12 @@ run `shmkv recover NAME`.""")
              "seq --since on.  The ring keeps the last config.event_capacity events; events\n"
              "overwritten before they were read are counted as lost.  --follow keeps\n"
              "printing new ones (--json: one JSON object per line).  --zmq-pub ENDPOINT\n"
-             "publishes them in vLLM's wire format (v0.11.0: multipart [topic, 8-byte\n"
-             "big-endian seq, msgpack KVEventBatch]) so a vLLM KV-event consumer (llm-d,\n"
-             "Dynamo) reads shmkv unchanged; --zmq-replay ENDPOINT serves vLLM's replay\n"
-             "requests.  Both sockets bind.  Needs the `events` extra (pyzmq, msgspec).",
+             "publishes them in vLLM's wire format (multipart [topic, 8-byte big-endian\n"
+             "seq, msgpack KVEventBatch]; vLLM 0.32's schema, events as maps tagged \"type\"\n"
+             "with lora_name; --vllm-schema 0.11 sends v0.11.0's arrays) so a vLLM KV-event\n"
+             "consumer (llm-d, Dynamo) reads shmkv unchanged; --zmq-replay ENDPOINT serves\n"
+             "vLLM's replay requests.  Both sockets bind.  Needs the `events` extra (pyzmq,\n"
+             "msgspec).",
              cmd_events, epilog="""\
 examples:
   shmkv events llama-cache                       the events the ring still holds
@@ -306,6 +308,8 @@ unsigned; parent_block_hash is the previous block's (none for a first block)."""
     sp.add_argument("--medium", default="CPU",
                     help="the events' medium field (default CPU: shmkv pools are host "
                          "memory; 'none' sends None)")
+    sp.add_argument("--vllm-schema", choices=("0.32", "0.11"), default="0.32",
+                    help="the event schema: vLLM 0.32's maps (default) or v0.11.0's arrays")
     sp.add_argument("--dp-rank", type=int, default=0,
                     help="data_parallel_rank of the batches (default 0)")
     sp.add_argument("--batch", type=int, default=1024,

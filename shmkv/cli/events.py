@@ -128,11 +128,11 @@ def _print(args, reader, stop):
 
 def _publish(args, reader, stop):
     try:
-        from ..events import VLLM_VERSION, ZmqEventPublisher
+        from ..events import ZmqEventPublisher
         pub = ZmqEventPublisher(args.zmq_pub, args.zmq_replay, topic=args.topic,
                                 data_parallel_rank=args.dp_rank,
                                 medium=None if args.medium == "none" else args.medium,
-                                buffer_steps=args.buffer_steps)
+                                buffer_steps=args.buffer_steps, schema=args.vllm_schema)
     except ImportError as e:
         raise CLIError(f"--zmq-pub needs pyzmq and msgspec ({e.name} is missing): "
                        "pip install \"shmkv[events]\"") from None
@@ -141,7 +141,7 @@ def _publish(args, reader, stop):
     since, lost = args.since, 0
     print(f"shmkv events: publishing {args.name} on {args.zmq_pub}"
           + (f", replay on {args.zmq_replay}" if args.zmq_replay else "")
-          + f", topic {args.topic!r}, vLLM {VLLM_VERSION} KVEventBatch (msgpack)",
+          + f", topic {args.topic!r}, vLLM {args.vllm_schema} KVEventBatch (msgpack)",
           file=sys.stderr, flush=True)
     try:
         while not stop:

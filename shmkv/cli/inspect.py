@@ -176,9 +176,24 @@ def cmd_seqs(args):
     return EXIT_OK
 
 
+def _command(pid, alive):
+    """The process's command line (its title: vLLM names its processes VLLM::EngineCore,
+    VLLM::Worker...), '' when it is dead or unreadable."""
+    if not alive:
+        return ""
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return ""
+    return raw.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+
+
 def cmd_procs(args):
     snap, view = load_view(args.name)
     procs = view["procs"]
+    for p in procs:
+        p["command"] = _command(p["pid"], p["alive"])
     if args.json:
         emit_json(procs)
         return EXIT_OK
@@ -188,9 +203,10 @@ def cmd_procs(args):
         rows = [[p["pid"], p["slot"], ("alive", "green") if p["alive"] else ("DEAD", "bold red"),
                  fmt_age(p["attach_time_ns"]), p["sequences"], p["tokens"], p["blocks"],
                  p["exclusive_blocks"], len(p["inflight"]),
-                 f"{p['cached_blocks']}/{p['cached_seq_slots']}"] for p in procs]
+                 f"{p['cached_blocks']}/{p['cached_seq_slots']}", p["command"][:48]]
+                for p in procs]
         print(table(["PID", "SLOT", "STATE", "ATTACHED", "SEQS", "TOKENS", "BLOCKS", "EXCLUSIVE",
-                     "INFLIGHT", "CACHE"], rows, align="rrlrrrrrrr"))
+                     "INFLIGHT", "CACHE", "COMMAND"], rows, align="rrlrrrrrrrl"))
     print(f"{view['alive']} live, {view['dead']['processes']} dead processes "
           f"(max {view['cfg'].max_procs}); BLOCKS: blocks its sequences reference, "
           "EXCLUSIVE: referenced by no other process, CACHE: free blocks / sequence "

@@ -1,0 +1,111 @@
+"""vLLM's CPU_ATTN KV layout <-> shmkv blocks: the torch views, the vectorized copies and
+the start-up self-test against vLLM's own ``cpu_attn_reshape_and_cache``.
+
+Owns the one piece of knowledge about how vLLM (0.32, CPU platform) lays out a layer's
+KV tensor: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, where per (block,
+head) the first ``block_size * head_dim`` elements hold K and the rest V.  For the
+``vec``/``vec16`` ISAs K is stored transposed (``[head_dim, block_size]``) and V as
+``[block_size, head_dim]``; other ISAs (AMX packs tiles) may differ.  Nothing here trusts
+that description: :func:`probe_layout` writes known tokens with vLLM's op and returns the
+layout that reads them back, or ``None``.
+
+Copies work in shmkv-block units (shmkv's ``block_size`` divides vLLM's): each is one
+``index_select``/``index_put_`` over a strided torch view per layer and pool (C loops in
+torch), never a Python loop over tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["CpuLayout", "probe_layout", "LAYOUTS"]
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    """How K sits in one (block, head) tile: transposed ``[D, VB]`` or plain ``[VB, D]``."""
+
+    k_transposed: bool
+
+    def views(self, t: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k5, v5)``: views of a layer tensor ``[NB, H, VB, 2D]`` split into shmkv blocks.
+
+        ``k5`` is ``[NB, H, D, R, bs]`` (transposed) or ``[NB, H, R, bs, D]``; ``v5`` is
+        ``[NB, H, R, bs, D]``, with ``R = VB // bs``.
+        """
+        nb, h, vb, d2 = t.shape
+        d = d2 // 2
+        r = vb // bs
+        halves = t.view(nb, h, 2, vb * d)
+        if self.k_transposed:
+            k5 = halves[:, :, 0].unflatten(-1, (d, r, bs))
+        else:
+            k5 = halves[:, :, 0].unflatten(-1, (r, bs, d))
+        v5 = halves[:, :, 1].unflatten(-1, (r, bs, d))
+        return k5, v5
+
+    def read(self, t: torch.Tensor, bs: int, vblk: torch.Tensor,
+             sub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the shmkv-sized pieces ``(vblk[i], sub[i])`` as ``[m, bs, H, D]`` views
+        (non-contiguous; the caller's ``index_put_`` does the one copy)."""
+        k5, v5 = self.views(t, bs)
+        if self.k_transposed:
+            k = k5[vblk, :, :, sub].permute(0, 3, 1, 2)      # [m, H, D, bs] -> [m, bs, H, D]
+        else:
+            k = k5[vblk, :, sub].permute(0, 2, 1, 3)         # [m, H, bs, D] -> [m, bs, H, D]
+        v = v5[vblk, :, sub].permute(0, 2, 1, 3)
+        return k, v
+
+    def write(self, t: torch.Tensor, bs: int, vblk: torch.Tensor, sub: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``, ``v`` ``[m, bs, H, D]`` into the pieces ``(vblk[i], sub[i])``."""
+        k5, v5 = self.views(t, bs)
+        if self.k_transposed:
+            k5[vblk, :, :, sub] = k.permute(0, 2, 3, 1)
+        else:
+            k5[vblk, :, sub] = k.permute(0, 2, 1, 3)
+        v5[vblk, :, sub] = v.permute(0, 2, 1, 3)
+
+
+LAYOUTS: Sequence[CpuLayout] = (CpuLayout(k_transposed=True), CpuLayout(k_transposed=False))
+
+
+def probe_layout(isa: str, dtype: torch.dtype, num_kv_heads: int, head_dim: int,
+                 block_size: int, shmkv_block_size: int) -> Optional[CpuLayout]:
+    """The layout in :data:`LAYOUTS` under which vLLM's own op, for ``isa``, stores known K/V
+    where :meth:`CpuLayout.read` finds them (and :meth:`CpuLayout.write` puts them back
+    bit for bit); ``None`` when no candidate matches (the ISA packs differently) or the
+    op is unavailable."""
+    try:
+        from vllm import _custom_ops as ops
+    except Exception:       # pragma: no cover - vLLM without its C extension
+        return None
+    h, d, vb, bs = num_kv_heads, head_dim, block_size, shmkv_block_size
+    g = torch.Generator().manual_seed(20)
+    key = torch.randn(vb, h, d, generator=g).to(dtype)
+    value = torch.randn(vb, h, d, generator=g).to(dtype)
+    scratch = torch.zeros(3, h, vb, 2 * d, dtype=dtype)
+    kc, vc = scratch.view(3, h, 2 * vb, d).chunk(2, dim=2)
+    slots = torch.arange(vb, dtype=torch.int64) + vb          # every token of block 1
+    try:
+        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa)
+    except Exception:
+        return None
+    r = vb // bs
+    vblk = torch.ones(r, dtype=torch.int64)
+    sub = torch.arange(r, dtype=torch.int64)
+    want_k = key.view(r, bs, h, d)
+    want_v = value.view(r, bs, h, d)
+    for lay in LAYOUTS:
+        k, v = lay.read(scratch, bs, vblk, sub)
+        if not (torch.equal(k, want_k) and torch.equal(v, want_v)):
+            continue
+        if scratch[0].any() or scratch[2].any():
+            continue                     # the op wrote outside block 1: not understood
+        back = torch.zeros_like(scratch)
+        lay.write(back, bs, vblk, sub, want_k, want_v)
+        if torch.equal(back, scratch):   # the inverse puts back every byte the op wrote
+            return lay
+    return None
