@@ -189,7 +189,8 @@ fuzz-c: install
 # bounds of chaos x3: -O0 is slower), then gcovr over the C kernels (shmkv/kernels/): a
 # summary here, per-line HTML, and the functions least covered
 # (tools/sanitize/cov_functions.py) in $(COV_DIR)/; the report is written even when a test
-# failed, and the target then fails.
+# failed, and the target then fails.  (gcov counts of the attention pool's threads can race
+# into negative branch counts, gcc bug 68080: warned about, not fatal.)
 COV_DIR := .coverage-c
 coverage: $(DEPS) redis
 	$(PIP) install -q "gcovr==8.8"
@@ -199,11 +200,12 @@ coverage: $(DEPS) redis
 	rm -f $(BUILT)
 	SHMKV_TIME_SCALE=3 $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests --ignore=tests/vllm; st=$$?; \
 	$(VENV)/bin/gcovr -r . --object-directory build --filter 'shmkv/kernels/' \
-		--exclude-unreachable-branches --txt $(COV_DIR)/summary.txt \
+		--exclude-unreachable-branches --gcov-ignore-parse-errors=negative_hits.warn_once_per_file \
+		--txt $(COV_DIR)/summary.txt \
 		--html-details $(COV_DIR)/index.html --json $(COV_DIR)/coverage.json --print-summary && \
 	cat $(COV_DIR)/summary.txt && \
 	$(PY) tools/sanitize/cov_functions.py $(COV_DIR)/coverage.json | tee $(COV_DIR)/functions.txt; \
-	exit $$st
+	rep=$$?; [ $$st = 0 ] && [ $$rep = 0 ]
 
 clean:
 	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .cython-variant .fuzz .coverage-c .pytest_cache .hypothesis .mypy_cache
