@@ -9,7 +9,7 @@ BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
+.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
 	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage
 
 all: install
@@ -107,6 +107,10 @@ demo-vllm: test-vllm-deps model
 
 bench-vllm: test-vllm-deps model
 	$(VPY) benchmarks/vllm_bench.py
+
+# vLLM's CPU paged attention beside shmkv's kernel, same K/V, outputs checked first (issue 21).
+bench-attn-vllm: test-vllm-deps
+	$(VPY) benchmarks/vllm_attention_peer.py $(ARGS)
 
 bench-deps: $(VENV)/.bench
 $(VENV)/.bench: $(DEPS)
