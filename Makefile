@@ -140,7 +140,7 @@ fuzz: install
 
 # ruff; Cython with warnings as errors; mypy --strict on a user's script over the whole
 # API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
-STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events
+STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events shmkv._vcopy
 
 lint: install
 	$(PIP) install -q ruff "mypy>=1.18"

@@ -55,7 +55,8 @@ CHAIN = [("_core", []), ("_inspect", ["_inspect"]), ("_prefix", ["_inspect", "_p
          ("_sequences", ["_inspect", "_prefix", "_sequences"]),
          ("_quant", ["_inspect", "_prefix", "_sequences", "_quant"]),
          ("_kvdata", ["_inspect", "_prefix", "_sequences", "_quant"]),
-         ("_events", [])]       # the KV event ring's reader (not a link of the chain)
+         ("_events", []),       # the KV event ring's reader (not a link of the chain)
+         ("_vcopy", [])]        # the vLLM connector's block copy (no segment access)
 
 
 def _module(name, pxds):

@@ -66,13 +66,21 @@ def _copies_at(tokens: int, reps: int, lay) -> list[dict]:
         sub = torch.zeros(nbv, dtype=torch.int64)
         dst = torch.arange(3, 3 + nbv)                  # shmkv blocks 3..
 
-        def save():
+        def save():             # the connector's path (C: shmkv._vcopy)
+            for t, (kp, vp) in zip(vl, pools):
+                lay.copy(t, kp, vp, VB, dst, vblk, sub, to_vllm=False)
+
+        def load():
+            for t, (kp, vp) in zip(vl, pools):
+                lay.copy(t, kp, vp, VB, dst, vblk, sub, to_vllm=True)
+
+        def save_torch():       # the torch reference (index ops over strided views)
             for t, (kp, vp) in zip(vl, pools):
                 k, v = lay.read(t, VB, vblk, sub)
                 kp[dst] = k
                 vp[dst] = v
 
-        def load():
+        def load_torch():
             for t, (kp, vp) in zip(vl, pools):
                 lay.write(t, VB, vblk, sub, kp.index_select(0, dst), vp.index_select(0, dst))
 
@@ -80,10 +88,12 @@ def _copies_at(tokens: int, reps: int, lay) -> list[dict]:
         a = torch.randn(nbytes // 4)
         b = torch.empty_like(a)
         res = {"memcpy": _time(lambda: b.copy_(a), reps), "save": _time(save, reps),
-               "load": _time(load, reps)}
+               "load": _time(load, reps), "save (torch)": _time(save_torch, reps),
+               "load (torch)": _time(load_torch, reps)}
         return [{"tokens": tokens, "op": op, "ms": res[op] * 1e3,
                  "memcpy_ms": res["memcpy"] * 1e3, "gbs": nbytes / res[op] / 1e9,
-                 "ratio": res[op] / res["memcpy"]} for op in ("save", "load")]
+                 "ratio": res[op] / res["memcpy"]}
+                for op in ("save", "load", "save (torch)", "load (torch)")]
     finally:
         kv.unlink()
         kv.close()

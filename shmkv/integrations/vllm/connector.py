@@ -327,8 +327,7 @@ class ShmkvConnector(KVConnectorBase_V1):
                 src = table[op.start // bs:have // bs]
                 vblk, sub = self._pieces(op.block_ids, op.start, have)
                 for t, kp, vp in self._layers:
-                    self._layout.write(t, bs, vblk, sub, kp.index_select(0, src),
-                                       vp.index_select(0, src))
+                    self._layout.copy(t, kp, vp, bs, src, vblk, sub, to_vllm=True)
                 good = have
         except Exception as e:
             log.warning("shmkv: load of %s failed (%s: %s); recomputing", op.req_id,
@@ -389,9 +388,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             for i, (t, kp, vp) in enumerate(self._layers):
                 if i == half and _fault(op.salt, "kill_mid_save"):
                     os.kill(os.getpid(), signal.SIGKILL)
-                k, v = self._layout.read(t, bs, vblk, sub)
-                kp[dst] = k
-                vp[dst] = v
+                self._layout.copy(t, kp, vp, bs, dst, vblk, sub, to_vllm=False)
             kv.commit(sid)                      # every byte written: now findable
             self.stats["saved_tokens"] += end - have
         except Exception as e:                  # full pool, foreign segment...: a miss later

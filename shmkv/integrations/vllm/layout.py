@@ -9,9 +9,12 @@ head) the first ``block_size * head_dim`` elements hold K and the rest V.  For t
 that description: :func:`probe_layout` writes known tokens with vLLM's op and returns the
 layout that reads them back, or ``None``.
 
-Copies work in shmkv-block units (shmkv's ``block_size`` divides vLLM's): each is one
-``index_select``/``index_put_`` over a strided torch view per layer and pool (C loops in
-torch), never a Python loop over tokens.
+Copies work in shmkv-block units (shmkv's ``block_size`` divides vLLM's).  The connector's
+path is :meth:`CpuLayout.copy`: one call per layer into ``shmkv._vcopy.copy_blocks`` (C, GIL
+released, every id bounds-checked) when both sides are C-contiguous 2- or 4-byte tensors,
+else the torch reference (:meth:`CpuLayout.read` / :meth:`CpuLayout.write`: one
+``index_select``/``index_put_`` over a strided view per layer and pool), which the tests
+compare it against; never a Python loop over tokens.
 """
 from __future__ import annotations
 
@@ -67,6 +70,36 @@ class CpuLayout:
         else:
             k5[vblk, :, sub] = k.permute(0, 2, 1, 3)
         v5[vblk, :, sub] = v.permute(0, 2, 1, 3)
+
+    def copy(self, t: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, bs: int,
+             shm: torch.Tensor, vblk: torch.Tensor, sub: torch.Tensor, to_vllm: bool) -> None:
+        """Copy shmkv blocks ``shm[i]`` of the pools ``kp``, ``vp`` ``[NBs, bs, H, D]`` to
+        (``to_vllm``, a load) or from (a save) the pieces ``(vblk[i], sub[i])`` of ``t``;
+        in C when the tensors allow it, else through :meth:`read` / :meth:`write`."""
+        nb, h, vb, d2 = t.shape
+        if _c_ok(t, kp, vp, bs):
+            from shmkv._vcopy import copy_blocks
+            ids = [x.to(torch.int64).contiguous().numpy() for x in (shm, vblk, sub)]
+            copy_blocks(t.data_ptr(), nb, kp.data_ptr(), vp.data_ptr(), kp.shape[0], h,
+                        d2 // 2, vb, bs, t.element_size(), *ids, self.k_transposed, to_vllm)
+        elif to_vllm:
+            self.write(t, bs, vblk, sub, kp.index_select(0, shm), vp.index_select(0, shm))
+        else:
+            k, v = self.read(t, bs, vblk, sub)
+            kp[shm] = k
+            vp[shm] = v
+
+
+def _c_ok(t: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, bs: int) -> bool:
+    """Whether :func:`shmkv._vcopy.copy_blocks` can take these tensors: CPU, C-contiguous,
+    one 2- or 4-byte dtype, ``t`` ``[NB, H, VB, 2D]`` and pools ``[NBs, bs, H, D]`` alike."""
+    if t.dim() != 4 or kp.dim() != 4 or kp.shape != vp.shape:
+        return False
+    nb, h, vb, d2 = t.shape
+    return (all(x.device.type == "cpu" and x.is_contiguous() and x.dtype == t.dtype
+                for x in (t, kp, vp))
+            and t.element_size() in (2, 4) and d2 % 2 == 0 and bs > 0 and vb % bs == 0
+            and tuple(kp.shape[1:]) == (bs, h, d2 // 2))
 
 
 LAYOUTS: Sequence[CpuLayout] = (CpuLayout(k_transposed=True), CpuLayout(k_transposed=False))

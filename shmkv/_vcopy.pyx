@@ -1,0 +1,118 @@
+# cython: language_level=3
+"""shmkv._vcopy: the vLLM connector's block copy in C (issue 20) -- shmkv's pools
+``[num_blocks, bs, H, D]`` <-> vLLM's CPU_ATTN layer tensor ``[num_blocks, H, VB, 2D]``
+(per (block, head) K then V; K transposed ``[D, VB]`` or plain ``[VB, D]``, V ``[VB, D]``;
+see shmkv/integrations/vllm/layout.py, which probes that layout against vLLM's own op).
+
+Owns only the copy: raw addresses and shapes come from the caller (layout.py checks the
+tensors' dtype, shape and contiguity); every block id and sub-block offset is checked
+against those shapes before the first byte moves, so bad ids raise IndexError and write
+nothing.  The copy runs with the GIL released; the transposed K goes through 16x16 tiles.
+"""
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uintptr_t
+from libc.string cimport memcpy
+
+ctypedef fused elem_t:
+    uint16_t
+    uint32_t
+
+cdef enum:
+    TILE = 16
+
+
+cdef void _copy(elem_t* t, elem_t* kp, elem_t* vp, Py_ssize_t H, Py_ssize_t D,
+                Py_ssize_t VB, Py_ssize_t bs, const int64_t* sblk, const int64_t* vblk,
+                const int64_t* sub, Py_ssize_t m, bint k_t, bint to_vllm) noexcept nogil:
+    cdef Py_ssize_t i, h, j, d, j0, d0, j1, d1
+    cdef Py_ssize_t HD = H * D
+    cdef size_t row = D * sizeof(elem_t)
+    cdef elem_t* tile
+    cdef elem_t* kv_k
+    cdef elem_t* kv_v
+    cdef elem_t* sk
+    cdef elem_t* sv
+    for i in range(m):
+        sk = kp + sblk[i] * bs * HD
+        sv = vp + sblk[i] * bs * HD
+        for h in range(H):
+            tile = t + (vblk[i] * H + h) * VB * 2 * D
+            kv_v = tile + VB * D + sub[i] * bs * D          # [bs, D] rows of V
+            for j in range(bs):
+                if to_vllm:
+                    memcpy(kv_v + j * D, sv + j * HD + h * D, row)
+                else:
+                    memcpy(sv + j * HD + h * D, kv_v + j * D, row)
+            if not k_t:
+                kv_k = tile + sub[i] * bs * D
+                for j in range(bs):
+                    if to_vllm:
+                        memcpy(kv_k + j * D, sk + j * HD + h * D, row)
+                    else:
+                        memcpy(sk + j * HD + h * D, kv_k + j * D, row)
+                continue
+            kv_k = tile + sub[i] * bs                       # K[d, j] at kv_k[d * VB + j]
+            d0 = 0
+            while d0 < D:
+                d1 = min(d0 + TILE, D)
+                j0 = 0
+                while j0 < bs:
+                    j1 = min(j0 + TILE, bs)
+                    if to_vllm:
+                        for d in range(d0, d1):
+                            for j in range(j0, j1):
+                                kv_k[d * VB + j] = sk[j * HD + h * D + d]
+                    else:
+                        for j in range(j0, j1):
+                            for d in range(d0, d1):
+                                sk[j * HD + h * D + d] = kv_k[d * VB + j]
+                    j0 = j1
+                d0 = d1
+
+
+def copy_blocks(uintptr_t t_ptr, Py_ssize_t t_blocks, uintptr_t k_ptr, uintptr_t v_ptr,
+                Py_ssize_t pool_blocks, Py_ssize_t heads, Py_ssize_t head_dim,
+                Py_ssize_t vllm_block_size, Py_ssize_t block_size, Py_ssize_t itemsize,
+                const int64_t[::1] shm_ids, const int64_t[::1] vllm_ids,
+                const int64_t[::1] sub, bint k_transposed, bint to_vllm):
+    """Copy the shmkv blocks ``shm_ids[i]`` <-> the pieces ``(vllm_ids[i], sub[i])`` (sub-block
+    ``sub[i]`` of ``block_size`` tokens inside vLLM block ``vllm_ids[i]``) of one layer:
+    ``to_vllm`` loads (pools -> vLLM tensor), else saves.  The addresses must be those of
+    C-contiguous arrays of the given shapes and ``itemsize`` (2 or 4) bytes per element."""
+    cdef Py_ssize_t m = shm_ids.shape[0], i, r
+    cdef const int64_t* ps
+    cdef const int64_t* pv
+    cdef const int64_t* pr
+    if vllm_ids.shape[0] != m or sub.shape[0] != m:
+        raise ValueError(f"shmkv: {m} shmkv block ids but {vllm_ids.shape[0]} vLLM ids "
+                         f"and {sub.shape[0]} sub-block offsets (expected equal lengths)")
+    if itemsize != 2 and itemsize != 4:
+        raise ValueError(f"shmkv: itemsize must be 2 or 4, got {itemsize}")
+    if (block_size <= 0 or vllm_block_size <= 0 or vllm_block_size % block_size
+            or heads <= 0 or head_dim <= 0 or t_blocks < 0 or pool_blocks < 0):
+        raise ValueError(f"shmkv: bad shapes (heads={heads}, head_dim={head_dim}, vLLM block "
+                         f"size {vllm_block_size}, shmkv block size {block_size})")
+    if m and (not t_ptr or not k_ptr or not v_ptr):
+        raise ValueError("shmkv: a NULL address")
+    r = vllm_block_size // block_size
+    for i in range(m):
+        if not 0 <= shm_ids[i] < pool_blocks:
+            raise IndexError(f"shmkv: shmkv block id {shm_ids[i]} at {i} out of range "
+                             f"(expected 0 <= id < {pool_blocks})")
+        if not 0 <= vllm_ids[i] < t_blocks:
+            raise IndexError(f"shmkv: vLLM block id {vllm_ids[i]} at {i} out of range "
+                             f"(expected 0 <= id < {t_blocks})")
+        if not 0 <= sub[i] < r:
+            raise IndexError(f"shmkv: sub-block offset {sub[i]} at {i} out of range "
+                             f"(expected 0 <= offset < {r})")
+    if m == 0:
+        return
+    ps, pv, pr = &shm_ids[0], &vllm_ids[0], &sub[0]
+    with nogil:
+        if itemsize == 2:
+            _copy[uint16_t](<uint16_t*>t_ptr, <uint16_t*>k_ptr, <uint16_t*>v_ptr, heads,
+                            head_dim, vllm_block_size, block_size, ps, pv, pr, m,
+                            k_transposed, to_vllm)
+        else:
+            _copy[uint32_t](<uint32_t*>t_ptr, <uint32_t*>k_ptr, <uint32_t*>v_ptr, heads,
+                            head_dim, vllm_block_size, block_size, ps, pv, pr, m,
+                            k_transposed, to_vllm)
