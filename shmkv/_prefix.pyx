@@ -177,7 +177,7 @@ cdef class PrefixOps(InspectOps):
         pool_lock(c)
         hits = shmkv_prefix_match_locked(c, <const uint64_t *>cnp.PyArray_DATA(hashes), nfull)
         shmkv_pool_unlock(c)
-        if self._tier is not None and hits < nfull:
+        if self._tier is not None and self._tier.read and hits < nfull:
             # the tier's consecutive blocks are loaded and published here (never raises)
             hits = self._tier.extend(self, None, ids, salt, hashes, hits)
         return hits * c.cfg.block_size
@@ -431,14 +431,20 @@ cdef class PrefixOps(InspectOps):
 
 
     # ---- the remote tier (shmkv/tier/) ---------------------------------------------------
-    def set_tier(self, tier):
+    def set_tier(self, tier, *, read=True, write=True):
         """Write published blocks through to ``tier`` and extend prefix hits from it
         (``shmkv.RedisTier``); ``None`` turns it off (queued writes are flushed first,
         for at most the tier's ``close_timeout``).  Per handle, per process.  Quantized
         pools too: an int8 block's values carry its scale rows, a float8 pool's scale
-        table is part of the layout (hosts whose tables differ do not share blocks)."""
+        table is part of the layout (hosts whose tables differ do not share blocks).
+
+        ``read=False``: this handle's ``create_sequence`` / ``match_prefix`` stay local
+        (no network on its calls; another handle or process does the tier reads);
+        ``write=False``: what this handle publishes is not written through."""
+        if tier is not None and not (read or write):
+            raise ValueError("set_tier: read and write are both False (use set_tier(None))")
         old = self._tier
-        binding = None if tier is None else tier._bind(self)
+        binding = None if tier is None else tier._bind(self, bool(read), bool(write))
         self._tier = binding
         if old is not None:
             old.close()
@@ -460,7 +466,7 @@ cdef class PrefixOps(InspectOps):
         cdef uint32_t i, b, after = q.hashed
         cdef const int32_t *t = shmkv_table(c, slot)
         cdef cnp.npy_intp dims[2]
-        if after <= before or after > q.nblocks:
+        if not self._tier.write or after <= before or after > q.nblocks:
             return 0
         dims[0] = after - before
         dims[1] = 2

@@ -123,7 +123,7 @@ cdef class SequenceOps(PrefixOps):
                 raise CacheFullError(
                     f"create_sequence: all {c.cfg.max_seqs} sequence slots are taken")
             raise_status(st, "create_sequence")
-        if self._tier is not None and hits < nfull:
+        if self._tier is not None and self._tier.read and hits < nfull:
             # the remote tier's consecutive blocks, loaded into this sequence and
             # published (shmkv/tier/): never raises but for an interrupt, which frees sid
             try:

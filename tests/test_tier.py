@@ -343,6 +343,35 @@ def test_set_tier_none_and_flush(hosts, cluster):
     assert out0 > 0
 
 
+def test_read_only_and_write_only_handles(hosts, cluster):
+    """set_tier(read=False): commits write through, lookups stay local (the vLLM worker's
+    handle); set_tier(write=False): hits extend from the tier, nothing is written."""
+    a, b = hosts(), hosts()
+    t = tier(cluster)
+    with pytest.raises(ValueError, match="both False"):
+        a.set_tier(t, read=False, write=False)
+    a.set_tier(t, read=False)
+    toks = np.arange(500, 533)                           # 4 full blocks + 1
+    prefill(a, toks)
+    assert a.flush_tier(10) == 4                         # written through
+    b.set_tier(t, read=False)
+    assert b.match_prefix(toks) == 0                     # in the tier, but B only writes
+    sb = b.create_sequence(tokens=toks)
+    assert b.seq_len(sb) == 0
+    b.free(sb)
+    assert tstats(b)["tier_hits"] == tstats(b)["tier_misses"] == 0
+    b.set_tier(t, write=False)
+    assert b.match_prefix(toks) == 32                    # now it reads
+    assert tstats(b)["tier_hits"] == 4
+    own = np.arange(900, 917)
+    prefill(b, own)
+    assert b.flush_tier(10) == 0                         # and writes nothing
+    assert tstats(b)["tier_bytes_out"] == 0
+    assert len(_keys(cluster)) == 4
+    a.set_tier(None)
+    b.set_tier(None)
+
+
 def test_counters_in_info_and_metrics(hosts, cluster):
     a, b = hosts(), hosts()
     a.set_tier(tier(cluster))

@@ -177,8 +177,8 @@ class RedisTier:
         for t in idle:
             t.close()
 
-    def _bind(self, cache: Any) -> "_Binding":
-        return _Binding(self, cache)
+    def _bind(self, cache: Any, read: bool = True, write: bool = True) -> "_Binding":
+        return _Binding(self, cache, read, write)
 
     def _count(self, **kw: int) -> None:
         with self._lock:
@@ -201,8 +201,11 @@ class RedisTier:
 class _Binding:
     """One handle's use of a tier: its layout, queue, writer thread, connections."""
 
-    def __init__(self, tier: RedisTier, cache: Any) -> None:
+    def __init__(self, tier: RedisTier, cache: Any, read: bool = True,
+                 write: bool = True) -> None:
         self.tier = tier
+        self.read = read              # the handle's hits extend from the tier
+        self.write = write            # what the handle publishes is written through
         self.layout = Layout.of(cache)
         self.fbufs: Optional[tuple[np.ndarray, np.ndarray]] = None   # quantized loads
         self.cache_ref = weakref.ref(cache)

@@ -131,6 +131,8 @@ def remote_tier(cache: shmkv.KVCache) -> None:
     assert cache.match_prefix(prompt) == cache.seq_len(sid)
     written: int = cache.flush_tier(timeout=1.0)
     assert written == 0
+    cache.set_tier(tier, read=False)         # write-through only: lookups stay local
+    cache.set_tier(tier, write=False)        # hits only
     cache.set_tier(None)
     stats = cache.stats()
     assert stats["tier_errors"] >= 1 and stats["tier_hits"] == 0

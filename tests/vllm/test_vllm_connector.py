@@ -6,90 +6,16 @@ answer, two load shortfalls (blocks vanished between the scheduler's match and t
 worker's load) and, last, a worker SIGKILLed in the middle of a save."""
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from conftest import unique_name  # tests/conftest.py
+from vllm_helpers import FAULT, VB, _model_dir, _prompts, _run_engine
 
 try:
     import vllm  # noqa: F401
     HAVE_VLLM = True
 except Exception:
     HAVE_VLLM = False
-
-WORKER = Path(__file__).with_name("engine_worker.py")
-VB = 128                          # vLLM's block size on CPU
-FAULT = {"overclaim": "t:fault:overclaim", "reset": "t:fault:reset_before_load",
-         "kill": "t:fault:kill_mid_save"}
-ENGINE_TIMEOUT = 900
-
-
-def _model_dir() -> str:
-    from shmkv.models import smollm2_dir
-
-    return str(smollm2_dir())
-
-
-def _run_engine(tmp: Path, tag: str, job: dict, fault: bool = False) -> tuple[int, dict]:
-    jp, op = tmp / f"{tag}.json", tmp / f"{tag}.out.json"
-    jp.write_text(json.dumps(job))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    if fault:
-        env["SHMKV_VLLM_FAULT"] = "1"
-    with open(tmp / f"{tag}.log", "w") as log:
-        p = subprocess.Popen([sys.executable, str(WORKER), str(jp), str(op)], cwd="/tmp",
-                             env=env, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        try:
-            rc = p.wait(timeout=ENGINE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            rc = -999
-        finally:
-            try:                # the engine's own children (EngineCore, Worker) too
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-    out = json.loads(op.read_text()) if op.exists() else {"results": []}
-    return rc, out
-
-
-def _prompts(model: str) -> dict:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    text = Path("/usr/share/common-licenses/GPL-3").read_text()
-
-    def chat(system: str, user: str) -> list[int]:
-        ids = tok.apply_chat_template([{"role": "system", "content": system},
-                                       {"role": "user", "content": user}],
-                                      add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-    def plain(s: str) -> list[int]:
-        return list(tok.encode(s, add_special_tokens=False))
-
-    p1 = chat("You are a careful lawyer. Here is the licence:\n" + text[:4400],
-              "Summarize the licence in one sentence.")
-    p2 = chat("Read this:\n" + text[9000:10800], "What does it say?")
-    return {
-        "p1": p1,
-        "turn1": chat("You are a helpful assistant.",
-                      "Tell me a long story about a lighthouse keeper and his cat."),
-        "suffix": plain("<|im_end|>\n<|im_start|>user\nNow tell me how it ends."
-                        "<|im_end|>\n<|im_start|>assistant\n"),
-        "p2": p2,
-        "p2ext": p2 + plain(text[20000:21500]),
-        "p2r": chat("Read this too:\n" + text[12000:13800], "What does it say?"),
-        "p3": chat("And this:\n" + text[15000:16800], "What does it say?"),
-    }
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

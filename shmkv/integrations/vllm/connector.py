@@ -14,6 +14,12 @@ Owns the two halves vLLM runs in different processes:
   findable only once all of its bytes are written; a process killed before ``commit``
   leaves an unpublished sequence that recovery frees).
 
+With a remote tier configured (``tier`` in the extra config or ``$SHMKV_TIER``, see
+tier.py), the worker writes what it commits through to it and the scheduler looks up
+what the segment lacks in a background thread, answering "not yet" (``None``) to vLLM
+meanwhile: a prompt prefilled on another host becomes a hit here, and the scheduler loop
+never waits on the network.
+
 Anything that goes wrong in the cache turns into a miss, never a failed request; only a
 segment that cannot serve this model at all is an error, at engine start.
 """
@@ -38,6 +44,7 @@ from shmkv.integrations.torch_views import pool_tensors
 
 from .layout import CpuLayout, probe_layout
 from .segment import open_segment, segment_spec
+from .tier import TierLookups, tier_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -104,6 +111,7 @@ class _ReqState:
     blocks: list[int] = field(default_factory=list)
     saved_upto: int = 0                       # tokens known to be in the segment
     load: Optional[tuple[int, int]] = None    # planned (start, end) of a load
+    tier_done: bool = False                   # its tier lookup ran (or was given up on)
 
 
 def _ids(tokens: Any, n: int, pad: bool) -> np.ndarray:
@@ -119,8 +127,10 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     ``kv_connector_extra_config`` keys: ``segment`` (required), ``num_blocks`` or
     ``size_gib`` (a new segment's pool), ``block_size`` (a new segment's; default vLLM's),
-    ``max_seqs``, ``model_id`` (the model part of the salt; default the model path),
-    ``save`` (default true), ``load`` (default true).
+    ``max_seqs``, ``model_id`` (the model part of the salt; default the model path:
+    hosts that share a tier name the model alike), ``save`` (default true), ``load``
+    (default true), ``hash_seed`` (a new segment's), ``tier`` (``redis://host:port``;
+    default ``$SHMKV_TIER``), ``tier_cluster``, ``tier_timeout``, ``tier_wait`` (tier.py).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -135,6 +145,16 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._model_id = str(extra.get("model_id") or mc.model)
         self._save_on = bool(extra.get("save", True))
         self._load_on = bool(extra.get("load", True))
+        tier = tier_spec(extra)
+        self._lookups: Optional[TierLookups] = None
+        try:
+            if tier is not None and role == KVConnectorRole.SCHEDULER and self._load_on:
+                self._lookups = TierLookups(self._spec.name, tier)
+            elif tier is not None and role == KVConnectorRole.WORKER and self._save_on:
+                self._kv.set_tier(tier.make(), read=False)    # commits write through
+        except BaseException:
+            self._kv.close()
+            raise
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         # worker side
@@ -165,8 +185,17 @@ class ShmkvConnector(KVConnectorBase_V1):
         limit = (n - 1) // vb * vb          # vLLM computes at least the last token
         if limit <= num_computed_tokens:
             return 0, False
+        ids = _ids(request.all_token_ids, limit, True)
         try:
-            hit = self._kv.match_prefix(_ids(request.all_token_ids, limit, True), st.salt)
+            hit = self._kv.match_prefix(ids, st.salt)
+            if (self._lookups is not None and hit < limit and not st.tier_done
+                    and not getattr(request, "skip_reading_prefix_cache", False)):
+                # the segment lacks some: the tier is asked in the background ("not yet"
+                # to vLLM meanwhile); once done, what it had is in the segment
+                if not self._lookups.ready(request.request_id, ids, st.salt):
+                    return None, False
+                st.tier_done = True
+                hit = self._kv.match_prefix(ids, st.salt)
         except Exception as e:              # a cache never fails a request
             log.warning("shmkv: match_prefix failed (%s: %s); no hit", type(e).__name__, e)
             return 0, False
@@ -246,6 +275,8 @@ class ShmkvConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
         return False, None
 
     # --------------------------------------------------------------- worker side
@@ -402,7 +433,9 @@ class ShmkvConnector(KVConnectorBase_V1):
                     pass
 
     def shutdown(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()
         try:
-            self._kv.close()
+            self._kv.close()            # flushes the tier's queued writes first
         except Exception:
             pass

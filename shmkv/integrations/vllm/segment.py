@@ -7,15 +7,20 @@ with both layouts in the message, at engine start.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import shmkv
+
+from .tier import seed_for, tier_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
 
 __all__ = ["SegmentSpec", "segment_spec", "open_segment"]
+
+log = logging.getLogger("shmkv.vllm")
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 _DEFAULT_GIB = 1.0
@@ -26,6 +31,7 @@ class SegmentSpec:
     name: str
     config: shmkv.CacheConfig       # what a new segment gets
     vllm_block_size: int
+    hash_seed: Optional[int] = None  # a new segment's (hosts sharing a tier share it)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -38,7 +44,8 @@ def _dtype_name(dtype: Any) -> str:
 
 def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> SegmentSpec:
     """The segment's name and the config a new one gets, from the model and the extra
-    config (``segment``, ``num_blocks`` | ``size_gib``, ``block_size``, ``max_seqs``)."""
+    config (``segment``, ``num_blocks`` | ``size_gib``, ``block_size``, ``max_seqs``,
+    ``hash_seed``; with a tier, tier.seed_for's default)."""
     name = extra.get("segment")
     if not isinstance(name, str) or not name.strip("/"):
         raise ValueError("shmkv: kv_connector_extra_config needs \"segment\": a segment name, "
@@ -71,7 +78,8 @@ def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> Segment
                             num_blocks=num_blocks, block_size=bs, dtype=dtype,
                             max_seqs=max_seqs,
                             event_capacity=int(extra.get("event_capacity", 4096)))
-    return SegmentSpec(name=name, config=cfg, vllm_block_size=vb)
+    return SegmentSpec(name=name, config=cfg, vllm_block_size=vb,
+                       hash_seed=seed_for(extra, tier_spec(extra)))
 
 
 def check_fit(cfg: shmkv.CacheConfig, want: shmkv.CacheConfig, vb: int, name: str) -> None:
@@ -93,7 +101,8 @@ def open_segment(spec: SegmentSpec) -> shmkv.KVCache:
             kv = shmkv.KVCache.attach(spec.name)
         except FileNotFoundError:
             try:
-                return shmkv.KVCache.create(spec.name, spec.config)
+                return shmkv.KVCache.create(spec.name, spec.config,
+                                            hash_seed=spec.hash_seed)
             except FileExistsError:
                 continue                # another instance created it meanwhile: attach
         try:
@@ -101,4 +110,9 @@ def open_segment(spec: SegmentSpec) -> shmkv.KVCache:
         except BaseException:
             kv.close()
             raise
+        seed = kv._tier_layout()["hash_seed"]
+        if spec.hash_seed is not None and seed != spec.hash_seed:
+            log.warning("shmkv: segment %r hashes blocks with seed %#x, not the %#x asked "
+                        "for: hosts whose segments use %#x share no tier blocks with it",
+                        spec.name, seed, spec.hash_seed, spec.hash_seed)
         return kv
