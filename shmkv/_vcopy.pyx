@@ -7,10 +7,37 @@ see shmkv/integrations/vllm/layout.py, which probes that layout against vLLM's o
 Owns only the copy: raw addresses and shapes come from the caller (layout.py checks the
 tensors' dtype, shape and contiguity); every block id and sub-block offset is checked
 against those shapes before the first byte moves, so bad ids raise IndexError and write
-nothing.  The copy runs with the GIL released; the transposed K goes through 16x16 tiles.
+nothing.  The copy runs with the GIL released; the transposed K goes through register
+tiles (kernels/vtranspose.h: 16x16 with AVX-512F, 8x8 with AVX2) for 32-bit elements and
+16x16 cache tiles otherwise.
 """
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uintptr_t
-from libc.string cimport memcpy
+
+
+cdef extern from "kernels/vtranspose.h" nogil:
+    int shmkv_vt_isa()
+    int shmkv_vt_force_isa(int isa)
+    void shmkv_vt32(const uint32_t *src, Py_ssize_t ss, uint32_t *dst, Py_ssize_t ds,
+                    Py_ssize_t rows, Py_ssize_t cols)
+    void shmkv_vrows(void *dst, Py_ssize_t ds, const void *src, Py_ssize_t ss,
+                     Py_ssize_t rows, size_t n)
+    void shmkv_vfence()
+
+
+_ISAS = ("portable", "avx2", "avx512")
+
+
+def transpose_isa():
+    """The K transpose's instruction set: "portable", "avx2" or "avx512"."""
+    return _ISAS[shmkv_vt_isa()]
+
+
+def _force_transpose_isa(name):
+    """Tests: pin the K transpose to ``name`` (capped at what the CPU has; None: the
+    CPU's).  Returns the one now in use."""
+    if name is not None and name not in _ISAS:
+        raise ValueError(f"isa: expected one of {_ISAS} or None, got {name!r}")
+    return _ISAS[shmkv_vt_force_isa(-1 if name is None else _ISAS.index(name))]
 
 ctypedef fused elem_t:
     uint16_t
@@ -37,20 +64,24 @@ cdef void _copy(elem_t* t, elem_t* kp, elem_t* vp, Py_ssize_t H, Py_ssize_t D,
         for h in range(H):
             tile = t + (vblk[i] * H + h) * VB * 2 * D
             kv_v = tile + VB * D + sub[i] * bs * D          # [bs, D] rows of V
-            for j in range(bs):
-                if to_vllm:
-                    memcpy(kv_v + j * D, sv + j * HD + h * D, row)
-                else:
-                    memcpy(sv + j * HD + h * D, kv_v + j * D, row)
+            if to_vllm:
+                shmkv_vrows(kv_v, row, sv + h * D, HD * sizeof(elem_t), bs, row)
+            else:
+                shmkv_vrows(sv + h * D, HD * sizeof(elem_t), kv_v, row, bs, row)
             if not k_t:
                 kv_k = tile + sub[i] * bs * D
-                for j in range(bs):
-                    if to_vllm:
-                        memcpy(kv_k + j * D, sk + j * HD + h * D, row)
-                    else:
-                        memcpy(sk + j * HD + h * D, kv_k + j * D, row)
+                if to_vllm:
+                    shmkv_vrows(kv_k, row, sk + h * D, HD * sizeof(elem_t), bs, row)
+                else:
+                    shmkv_vrows(sk + h * D, HD * sizeof(elem_t), kv_k, row, bs, row)
                 continue
             kv_k = tile + sub[i] * bs                       # K[d, j] at kv_k[d * VB + j]
+            if elem_t is uint32_t:
+                if to_vllm:
+                    shmkv_vt32(sk + h * D, HD, kv_k, VB, bs, D)
+                else:
+                    shmkv_vt32(kv_k, VB, sk + h * D, HD, D, bs)
+                continue
             d0 = 0
             while d0 < D:
                 d1 = min(d0 + TILE, D)
@@ -116,3 +147,4 @@ def copy_blocks(uintptr_t t_ptr, Py_ssize_t t_blocks, uintptr_t k_ptr, uintptr_t
             _copy[uint32_t](<uint32_t*>t_ptr, <uint32_t*>k_ptr, <uint32_t*>v_ptr, heads,
                             head_dim, vllm_block_size, block_size, ps, pv, pr, m,
                             k_transposed, to_vllm)
+        shmkv_vfence()

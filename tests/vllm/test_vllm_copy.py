@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shmkv._vcopy import copy_blocks
+from shmkv._vcopy import _force_transpose_isa, copy_blocks
 from shmkv.integrations.vllm.layout import LAYOUTS, _c_ok  # imports vLLM (make test-vllm)
 
 VB, H, D = 128, 3, 64
@@ -25,11 +25,21 @@ def _case(bs: int, dtype, seed: int):
     return t, kp, vp, shm, pieces // r, pieces % r
 
 
+@pytest.fixture(params=["portable", "avx2", "avx512"])
+def transpose_isa(request):
+    """Every K-transpose path this CPU has (one it lacks runs the best it has)."""
+    _force_transpose_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        _force_transpose_isa(None)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("bs", [16, 128])
 @pytest.mark.parametrize("lay", LAYOUTS,
                          ids=lambda lay: "k_transposed" if lay.k_transposed else "k_plain")
-def test_c_copy_equals_torch_reference(lay, bs, dtype):
+def test_c_copy_equals_torch_reference(lay, bs, dtype, transpose_isa):
     t, kp, vp, shm, vblk, sub = _case(bs, getattr(torch, dtype), seed=bs + len(dtype))
     assert _c_ok(t, kp, vp, bs)                 # the C path, not the fallback, is under test
     # load: pools -> vLLM
