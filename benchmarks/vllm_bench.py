@@ -132,15 +132,14 @@ def _engine(tmp: Path, tag: str, job: dict, core: str) -> dict:
     return json.loads(op.read_text())
 
 
-def engines(reps: int, core: str) -> list[dict]:
+def _tokenizer_prompts():
     from transformers import AutoTokenizer
 
     from shmkv.models import smollm2_dir
 
     model = str(smollm2_dir())
     tok = AutoTokenizer.from_pretrained(model)
-    text = Path("/usr/share/common-licenses/GPL-3").read_text()
-    text = text * 3
+    text = Path("/usr/share/common-licenses/GPL-3").read_text() * 3
 
     def prompt(n: int, i: int) -> list[int]:
         start = (i * 997) % 30000             # distinct prompts: no shared prefix
@@ -148,69 +147,173 @@ def engines(reps: int, core: str) -> list[dict]:
         assert len(ids) == n, (n, len(ids))
         return ids
 
+    return model, tok, text, prompt
+
+
+def _unlink(seg: str) -> None:
+    try:
+        import shmkv
+
+        shmkv.KVCache.attach(seg).unlink()
+    except Exception:
+        pass
+
+
+def engines(reps: int, core: str, block_sizes=(128, 16)) -> list[dict]:
+    """Per vLLM block size: A (save on) prefills fresh prompts, B (load on) answers them
+    from A's blocks and recomputes them under another salt, C has no connector."""
+    model, _, _, prompt = _tokenizer_prompts()
     sizes = (1024, 4096)
     prompts = {(n, i): prompt(n, 50 + i * 7 + n // 64) for n in sizes for i in range(reps)}
-    seg = f"shmkv-bench-vllm-{os.getpid()}"
-    extra = {"segment": seg, "size_gib": 1.0}
     tmp = Path(tempfile.mkdtemp(prefix="shmkv-vllm-bench-"))
     common = {"model": model, "max_model_len": 4200, "prefix_caching": False}
-    # decode: a 1k prompt, 1 token (TTFT), then 161 tokens: 160 decode steps, one block
-    # (tokens 1024-1151) fills and is saved
+    # decode: a 1k prompt, 1 token (TTFT), then 161 tokens: 160 decode steps, one 128-token
+    # block (tokens 1024-1151) fills and is saved
     dec = prompt(1024, 3)
     decode_req = {"prompt_ids": dec, "max_tokens": 161, "ttft": True, "ignore_eos": True,
                   "cache_salt": "decode"}
-    try:
-        a = _engine(tmp, "A", {**common, "extra": {**extra, "load": False},
-                               "requests": [{"prompt_ids": p, "max_tokens": 1}
-                                            for p in prompts.values()] + [decode_req]}, core)
-        reqs = []
-        for p in prompts.values():
-            reqs.append({"prompt_ids": p, "max_tokens": 1})
-            reqs.append({"prompt_ids": p, "max_tokens": 1, "cache_salt": "recompute"})
-        b = _engine(tmp, "B", {**common, "extra": {**extra, "save": False},
-                               "requests": reqs + [{**decode_req, "cache_salt": "x"}]}, core)
-        c = _engine(tmp, "C", {**common, "extra": None,
-                               "requests": [{"prompt_ids": p, "max_tokens": 1}
-                                            for p in prompts.values()] + [decode_req]}, core)
-    finally:
-        try:
-            import shmkv
-
-            shmkv.KVCache.attach(seg).unlink()
-        except Exception:
-            pass
     rows = []
-    keys = list(prompts)
-    for n in sizes:
-        idx = [j for j, k in enumerate(keys) if k[0] == n]
-        a_t = [a["results"][j]["seconds"] for j in idx]
-        c_t = [c["results"][j]["seconds"] for j in idx]
-        hit = [b["results"][2 * j]["seconds"] for j in idx]
-        miss = [b["results"][2 * j + 1]["seconds"] for j in idx]
-        cached = [b["results"][2 * j]["num_cached_tokens"] for j in idx]
-        same = all(b["results"][2 * j]["token_ids"] == b["results"][2 * j + 1]["token_ids"]
-                   == a["results"][j]["token_ids"] == c["results"][j]["token_ids"]
-                   for j in idx)
-        rows.append({"tokens": n, "hit_s": statistics.median(hit),
-                     "recompute_s": statistics.median(miss), "noconn_s": statistics.median(c_t),
-                     "a_save_s": statistics.median(a_t), "cached": min(cached),
-                     "same_first_token": same, "reps": len(idx)})
+    for vb in block_sizes:
+        seg = f"shmkv-bench-vllm-{os.getpid()}-{vb}"
+        extra = {"segment": seg, "size_gib": 1.0}
+        job = {**common, "block_size": vb}
+        try:
+            a = _engine(tmp, f"A{vb}", {**job, "extra": {**extra, "load": False},
+                                        "requests": [{"prompt_ids": p, "max_tokens": 1}
+                                                     for p in prompts.values()]
+                                        + [decode_req]}, core)
+            reqs = []
+            for p in prompts.values():
+                reqs.append({"prompt_ids": p, "max_tokens": 1})
+                reqs.append({"prompt_ids": p, "max_tokens": 1, "cache_salt": "recompute"})
+            b = _engine(tmp, f"B{vb}", {**job, "extra": {**extra, "save": False},
+                                        "requests": reqs + [{**decode_req, "cache_salt": "x"}]},
+                        core)
+            c = None
+            if vb == block_sizes[0]:
+                c = _engine(tmp, f"C{vb}", {**job, "extra": None,
+                                            "requests": [{"prompt_ids": p, "max_tokens": 1}
+                                                         for p in prompts.values()]
+                                            + [decode_req]}, core)
+        finally:
+            _unlink(seg)
+        keys = list(prompts)
+        ar = a["results"]
+        for n in sizes:
+            idx = [j for j, k in enumerate(keys) if k[0] == n]
+            hit = [b["results"][2 * j]["seconds"] for j in idx]
+            miss = [b["results"][2 * j + 1]["seconds"] for j in idx]
+            # the save's own time inside A's engine, per request (counter differences)
+            save_s = [ar[j]["connector"].get("save_seconds", 0.0)
+                      - (ar[j - 1]["connector"].get("save_seconds", 0.0) if j else 0.0)
+                      for j in idx]
+            same = all(b["results"][2 * j]["token_ids"] == b["results"][2 * j + 1]["token_ids"]
+                       == ar[j]["token_ids"]
+                       and (c is None or c["results"][j]["token_ids"] == ar[j]["token_ids"])
+                       for j in idx)
+            rows.append({"vb": vb, "tokens": n, "hit_s": statistics.median(hit),
+                         "recompute_s": statistics.median(miss),
+                         "noconn_s": (statistics.median([c["results"][j]["seconds"]
+                                                         for j in idx]) if c else None),
+                         "a_s": statistics.median([ar[j]["seconds"] for j in idx]),
+                         "save_in_a_s": statistics.median(save_s),
+                         "cached": min(b["results"][2 * j]["num_cached_tokens"] for j in idx),
+                         "same_first_token": same, "reps": len(idx)})
+        if c is not None:
+            def decode_ms(r):
+                last = r["results"][-1]
+                return (last["seconds"] - last["ttft"]) / 160 * 1e3
 
-    def decode_ms(r):
-        last = r["results"][-1]
-        return (last["seconds"] - last["ttft"]) / 160 * 1e3
-
-    rows.append({"decode": True, "save_ms": decode_ms(a), "nosave_ms": decode_ms(b),
-                 "noconn_ms": decode_ms(c),
-                 "same": a["results"][-1]["token_ids"] == b["results"][-1]["token_ids"]
-                 == c["results"][-1]["token_ids"]})
+            last, before = ar[-1]["connector"], ar[-2]["connector"]
+            rows.append({"decode": True, "vb": vb, "save_ms": decode_ms(a),
+                         "nosave_ms": decode_ms(b), "noconn_ms": decode_ms(c),
+                         "save_in_a_ms": (last.get("save_seconds", 0.0)
+                                          - before.get("save_seconds", 0.0)) * 1e3,
+                         "same": ar[-1]["token_ids"] == b["results"][-1]["token_ids"]
+                         == c["results"][-1]["token_ids"]})
     return rows
 
 
-def report(copy_rows, engine_rows, core) -> str:
+def instances(n_inst: int, per: int, core: str) -> list[dict]:
+    """N vLLM instances on one host serving chats that share a system prompt: one segment
+    for all of them ("shared") vs a segment each ("own": every instance caches only what
+    it computed) vs no connector ("none": vLLM's own prefix cache only, on in all three).  The instances run one after
+    another (a 2-core machine), each pinned to the same core."""
+    import shmkv
+
+    model, tok, text, _ = _tokenizer_prompts()
+    system = "You are a careful lawyer. Here is the licence:\n" + text[:4200]
+    questions = ["Summarize it in one sentence.", "Who may copy the program?",
+                 "What about patents?", "Can I sell copies?", "What is source code?",
+                 "What if I modify it?", "Is there a warranty?", "What is a User Product?"]
+
+    def chat(q: str) -> list[int]:
+        ids = tok.apply_chat_template([{"role": "system", "content": system},
+                                       {"role": "user", "content": q}],
+                                      add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    tmp = Path(tempfile.mkdtemp(prefix="shmkv-vllm-inst-"))
+    rows = []
+    outputs: dict[str, list] = {}
+    for mode in ("shared", "own", "none"):
+        segs = []
+        res = []
+        try:
+            for i in range(n_inst):
+                seg = f"shmkv-bench-inst-{os.getpid()}-{mode}-{i if mode == 'own' else 0}"
+                if seg not in segs and mode != "none":
+                    segs.append(seg)
+                reqs = [{"prompt_ids": chat(questions[(i * per + j) % len(questions)]),
+                         "max_tokens": 32, "ignore_eos": True} for j in range(per)]
+                r = _engine(tmp, f"{mode}{i}", {"model": model, "max_model_len": 2048,
+                                                "extra": (None if mode == "none" else
+                                                          {"segment": seg, "size_gib": 0.5}),
+                                                "requests": reqs}, core)
+                res += r["results"]
+            used = 0
+            for seg in segs:
+                kv = shmkv.KVCache.attach(seg)
+                try:
+                    st = kv.stats()       # cached (findable, reclaimable) blocks count as free
+                    used += (st["used_blocks"] + st["cached_blocks"]) * kv.config.bytes_per_block
+                finally:
+                    kv.close()
+        finally:
+            for seg in segs:
+                _unlink(seg)
+        prompt_toks = sum(len(r["prompt_ids"]) for r in res)
+        seconds = sum(r["seconds"] for r in res)
+        outputs[mode] = [r["token_ids"] for r in res]
+        rows.append({"mode": mode, "instances": n_inst, "requests": len(res),
+                     "prompt_tokens": prompt_toks,
+                     "cached_tokens": sum(r["num_cached_tokens"] for r in res),
+                     "seconds": seconds,
+                     "gen_tokens": sum(len(r["token_ids"]) for r in res),
+                     "kv_bytes": used, "segments": len(segs)})
+    for r in rows:
+        r["same_outputs"] = outputs[r["mode"]] == outputs["none"]
+    return rows
+
+
+def _isa() -> str:
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return ("AVX-512 (F/BW/VL" + ("/BF16" if "avx512_bf16" in flags else "")
+            + (", AMX" if "amx_tile" in flags else "") + ")" if "avx512f" in flags
+            else "AVX2+FMA+F16C" if "avx2" in flags else "no AVX2")
+
+
+def report(copy_rows, engine_rows, inst_rows, core, load: str) -> str:
     out = ["# vLLM on shmkv (benchmarks/vllm_bench.py)", "",
-           f"Machine: {os.cpu_count()} CPUs, shared with other jobs while measured; ratios "
-           "are against a baseline taken in the same run.", ""]
+           f"Machine: {os.cpu_count()} CPUs, {_isa()}; load average when started: {load}. "
+           "Ratios are against a baseline taken in the same run.", ""]
     if copy_rows:
         out += ["## Copies between shmkv blocks and vLLM's CPU_ATTN layout (all 30 layers, "
                 "1 torch thread)", "",
@@ -223,40 +326,80 @@ def report(copy_rows, engine_rows, core) -> str:
     if engine_rows:
         out += [f"## Time to first token, vLLM 0.32 engines pinned to core {core}", "",
                 "B: connector, load on, save off; A: connector, save on, load off; C: no "
-                "connector. Every engine has vLLM's own prefix cache off.", "",
-                "| prompt tokens | B, A's blocks loaded | B, recomputed | ratio | tokens "
-                "loaded | A (recompute + save) | save's cost | C (no connector) | same "
-                "first token | reps |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+                "connector. Every engine has vLLM's own prefix cache off. vLLM computes "
+                "at least a prompt's last token, so hits end on the last whole vLLM block "
+                "before it: with 128-token blocks a 1024-token prompt loads 896 and "
+                "computes 128, with 16-token blocks it loads 1008. \"save in A\": the "
+                "seconds A's worker spent saving (its connector's own clock), over A's "
+                "time to first token.", "",
+                "| vLLM block | prompt tokens | B, A's blocks loaded | B, recomputed | ratio "
+                "| tokens loaded | A (recompute + save) | save in A | C (no connector) "
+                "| same first token | reps |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
         for r in engine_rows:
             if r.get("decode"):
                 continue
-            out.append(f"| {r['tokens']} | {r['hit_s']:.2f} s | {r['recompute_s']:.2f} s | "
-                       f"{r['hit_s'] / r['recompute_s']:.3f}x | {r['cached']} | "
-                       f"{r['a_save_s']:.2f} s | "
-                       f"{(r['a_save_s'] / r['recompute_s'] - 1) * 100:+.1f}% | "
-                       f"{r['noconn_s']:.2f} s | {r['same_first_token']} | {r['reps']} |")
-        d = [r for r in engine_rows if r.get("decode")][0]
-        out += ["", "## Decode, ms per token (1k-token prompt, 160 steps: one block "
-                "saved; same engines)", "",
-                "| A: save on | B: save off | save's cost | C: no connector | same tokens |",
-                "|---:|---:|---:|---:|---|",
-                f"| {d['save_ms']:.1f} | {d['nosave_ms']:.1f} | "
-                f"{(d['save_ms'] / d['nosave_ms'] - 1) * 100:+.1f}% | {d['noconn_ms']:.1f} | "
-                f"{d['same']} |", ""]
+            c = f"{r['noconn_s']:.2f} s" if r["noconn_s"] is not None else "-"
+            out.append(f"| {r['vb']} | {r['tokens']} | {r['hit_s']:.2f} s | "
+                       f"{r['recompute_s']:.2f} s | {r['hit_s'] / r['recompute_s']:.3f}x | "
+                       f"{r['cached']} | {r['a_s']:.2f} s | {r['save_in_a_s'] * 1e3:.0f} ms "
+                       f"({r['save_in_a_s'] / r['a_s'] * 100:.1f}%) | {c} | "
+                       f"{r['same_first_token']} | {r['reps']} |")
+        for d in [r for r in engine_rows if r.get("decode")]:
+            out += ["", f"## Decode, ms per token (1k-token prompt, 160 steps; vLLM block "
+                    f"{d['vb']}: one block saved; same engines)", "",
+                    "| A: save on | B: save off | A over B | save in A, ms per token | C: no "
+                    "connector | same tokens |",
+                    "|---:|---:|---:|---:|---:|---|",
+                    f"| {d['save_ms']:.1f} | {d['nosave_ms']:.1f} | "
+                    f"{(d['save_ms'] / d['nosave_ms'] - 1) * 100:+.1f}% | "
+                    f"{d['save_in_a_ms'] / 160:.3f} ({d['save_in_a_ms'] / 160 / d['save_ms'] * 100:.2f}%) | "
+                    f"{d['noconn_ms']:.1f} | {d['same']} |"]
+        out.append("")
+    if inst_rows:
+        n = inst_rows[0]["instances"]
+        out += [f"## {n} instances on one host, chats sharing a ~900-token system prompt", "",
+                f"{n} vLLM instances, {inst_rows[0]['requests'] // n} requests each (the same "
+                "system prompt, distinct questions, 32 tokens out), one after another on "
+                f"core {core}. shared: one segment for all; own: a segment each; none: no "
+                "connector (vLLM's own prefix cache, on in all three). Every instance also "
+                "holds what it uses in its own vLLM cache (loads are copies). KV in shmkv: "
+                "the blocks held or cached in the segments at the end.", "",
+                "| mode | prompt tokens | cached tokens | hit rate | request seconds | "
+                "tokens/s (prompt+generated) | KV in shmkv | segments | outputs = none's |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in inst_rows:
+            tps = (r["prompt_tokens"] + r["gen_tokens"]) / r["seconds"]
+            out.append(f"| {r['mode']} | {r['prompt_tokens']} | {r['cached_tokens']} | "
+                       f"{r['cached_tokens'] / r['prompt_tokens'] * 100:.0f}% | "
+                       f"{r['seconds']:.1f} | {tps:.0f} | {r['kv_bytes'] / 2**20:.0f} MiB | "
+                       f"{r['segments']} | {r['same_outputs']} |")
+        out.append("")
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--copies", action="store_true", help="the copy micro-benchmark only")
+    ap.add_argument("--no-engines", action="store_true", help="skip the TTFT/decode engines")
+    ap.add_argument("--no-instances", action="store_true", help="skip the N-instances run")
+    ap.add_argument("--instances", type=int, default=3)
+    ap.add_argument("--per-instance", type=int, default=4)
+    ap.add_argument("--block-sizes", default="128,16")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--core", default="1", help="taskset core list for the engines")
     ap.add_argument("--out", default=str(HERE / "RESULTS_vllm.md"))
     args = ap.parse_args()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     c = copies()
-    e = [] if args.copies else engines(args.reps, args.core)
-    text = report(c, e, args.core)
+    e, i = [], []
+    if not args.copies:
+        if not args.no_engines:
+            e = engines(args.reps, args.core,
+                        tuple(int(x) for x in args.block_sizes.split(",")))
+        if not args.no_instances:
+            i = instances(args.instances, args.per_instance, args.core)
+    text = report(c, e, i, args.core, load)
     print(text)
     Path(args.out).write_text(text + "\n")
 

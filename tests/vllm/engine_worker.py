@@ -1,7 +1,8 @@
 """One vLLM engine in its own process for the vLLM tests, demo and benchmark: reads a JSON
 job file (model, connector extra config or none, requests), runs them in order, writes a
-JSON result (token ids, num_cached_tokens, time to first token) and the connector's
-segment stats.  Run as ``python engine_worker.py JOB.json OUT.json`` from any directory."""
+JSON result (token ids, num_cached_tokens, time to first token, and the worker's connector
+counters after each request: SHMKV_VLLM_STATS).  Run as ``python engine_worker.py JOB.json
+OUT.json`` from any directory."""
 from __future__ import annotations
 
 import json
@@ -10,15 +11,27 @@ import sys
 import time
 
 
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def main(job_path: str, out_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_space_gib", 1)))
+    stats_file = out_path + ".connector.json"
+    os.environ["SHMKV_VLLM_STATS"] = stats_file     # the worker's connector counters
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     kw = {}
+    if job.get("block_size"):
+        kw["block_size"] = int(job["block_size"])
     if job.get("extra") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ShmkvConnector",
@@ -59,7 +72,8 @@ def main(job_path: str, out_path: str) -> None:
                         "text": out.outputs[0].text,
                         "num_cached_tokens": out.num_cached_tokens,
                         "prompt_ids": req["prompt_ids"],
-                        "ttft": ttft, "seconds": time.perf_counter() - t})
+                        "ttft": ttft, "seconds": time.perf_counter() - t,
+                        "connector": _read(stats_file)})
         dump()              # after each request: a later one may kill this engine
     dump()
 

@@ -25,9 +25,11 @@ segment that cannot serve this model at all is an error, at engine start.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -67,6 +69,11 @@ log = logging.getLogger("shmkv.vllm")
 #   overclaim          the scheduler claims one vLLM block more than it matched
 #   kill_mid_save      the worker SIGKILLs itself after copying half the layers of a save
 _FAULTS_ON = os.environ.get("SHMKV_VLLM_FAULT") == "1"
+
+
+# SHMKV_VLLM_STATS=FILE: the worker's connector rewrites FILE (JSON: its counters, and the
+# seconds its loads and saves took) after every step that loaded or saved (benchmarks).
+_STATS_FILE = os.environ.get("SHMKV_VLLM_STATS") or None
 
 
 def _fault(salt: str, name: str) -> bool:
@@ -162,8 +169,9 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._layout: Optional[CpuLayout] = None
         self._load_errors: set[int] = set()
         self._short_reqs: set[str] = set()       # requests whose load fell short this step
-        self.stats = {"loaded_tokens": 0, "load_shortfall_tokens": 0, "saved_tokens": 0,
-                      "save_errors": 0, "load_errors": 0}
+        self.stats: dict[str, float] = {
+            "loaded_tokens": 0, "load_shortfall_tokens": 0, "saved_tokens": 0,
+            "save_errors": 0, "load_errors": 0, "load_seconds": 0.0, "save_seconds": 0.0}
 
     # ------------------------------------------------------------------ salts
     def _salt(self, request: "Request") -> str:
@@ -338,8 +346,22 @@ class ShmkvConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, ShmkvConnectorMetadata)
         self._short_reqs = set()
-        for op in meta.loads:
-            self._load(op)
+        if meta.loads:
+            t0 = time.perf_counter()
+            for op in meta.loads:
+                self._load(op)
+            self.stats["load_seconds"] += time.perf_counter() - t0
+            self._dump_stats()
+
+    def _dump_stats(self) -> None:
+        if _STATS_FILE is None:
+            return
+        try:
+            with open(_STATS_FILE + ".tmp", "w") as f:
+                json.dump(self.stats, f)
+            os.replace(_STATS_FILE + ".tmp", _STATS_FILE)
+        except OSError:
+            pass
 
     def _load(self, op: LoadOp) -> None:
         kv, vb = self._kv, self._vb
@@ -393,11 +415,16 @@ class ShmkvConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, ShmkvConnectorMetadata)
+        if not meta.saves:
+            return
+        t0 = time.perf_counter()
         for op in meta.saves:
             # a request whose load fell short was computed this step on blocks that hold
             # no valid K/V: vLLM recomputes it, and saves it then (update_connector_output)
             if op.req_id not in self._short_reqs:
                 self._save(op)
+        self.stats["save_seconds"] += time.perf_counter() - t0
+        self._dump_stats()
 
     def _save(self, op: SaveOp) -> None:
         kv, bs = self._kv, self._bs
