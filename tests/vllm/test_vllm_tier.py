@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 from conftest import unique_name  # tests/conftest.py
-from vllm_helpers import VB, _model_dir, _prompts, _run_engine
+from vllm_helpers import SB, VB, _model_dir, _prompts, _run_engine, expected_hit
 
 try:
     import vllm  # noqa: F401
@@ -133,32 +133,35 @@ def test_scheduler_asks_the_tier_in_the_background(cluster, segments):
 
     cluster.flushall()
     seg = segments("vtier-sched")
-    extra = {"segment": seg, "num_blocks": 12, "tier": cluster.url}
+    extra = {"segment": seg, "num_blocks": 64, "tier": cluster.url}
     cfg = _engine_config(extra)
     conn = ShmkvConnector(cfg, KVConnectorRole.SCHEDULER, None)
     try:
         salt = request_salt(conn._model_id)
         rng = np.random.default_rng(1)
         ids = rng.integers(10, 40000, size=3 * VB + 20).astype(np.int32)
+        bs = conn._kv.config.block_size
+        full = (len(ids) - 1) // bs * bs
+        assert full % VB != 0                      # the hit ends inside a vLLM block
         k, v = _host_a_writes(conn._kv.config, cluster.url, ids, salt, segments("vtier-a"))
         answers, n = _ask(conn, _request("r1", ids))
         assert answers[0] is None                  # the scheduler loop did not wait
-        assert n == 3 * VB                         # then: every full block, from the tier
+        assert n == full                           # then: every full block, from the tier
         # they are in this host's segment now, for every process: K/V as host A wrote them
         kv = shmkv.KVCache.attach(seg)
         try:
             sid = kv.create_sequence(tokens=ids, salt=salt)
-            assert kv.seq_len(sid) == 3 * VB
+            assert kv.seq_len(sid) == full
             kb, vb = kv.gather(sid)
             assert np.array_equal(kb, k) and np.array_equal(vb, v)
             kv.free(sid)
-            assert kv.stats()["tier_hits"] == 3
+            assert kv.stats()["tier_hits"] == full // bs
             assert kv.check() == []
         finally:
             kv.close()
         # a second request on the same prefix: a local hit, no tier lookup at all
         answers, n = _ask(conn, _request("r2", ids))
-        assert answers == [3 * VB]
+        assert answers == [full]
         assert conn._lookups.stats["lookups"] == 1
         # a prompt nobody has: one lookup, a miss, then 0
         other = rng.integers(10, 40000, size=2 * VB + 5).astype(np.int32)
@@ -265,12 +268,12 @@ def two_hosts(cluster, tmp_path_factory):
 
 def test_engine_on_another_host_hits_through_the_tier(two_hosts):
     P, A, C = two_hosts["P"], two_hosts["A"], two_hosts["C"]
-    full = (len(P["p1"]) - 1) // VB * VB
+    full = expected_hit(len(P["p1"]), 16)
     assert A[0]["num_cached_tokens"] == 0                 # A computed it all
     assert C[0]["num_cached_tokens"] == full >= 896       # C loaded all of it via the tier
     assert C[0]["token_ids"] == A[0]["token_ids"]
     st = two_hosts["c_stats"]
-    assert st["tier_hits"] == full // VB and st["tier_errors"] == 0
+    assert st["tier_hits"] == full // SB and st["tier_errors"] == 0
     assert two_hosts["c_check"] == []
 
 

@@ -12,6 +12,14 @@ from pathlib import Path
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 VB = 128                          # vLLM's block size on CPU
+SB = 16                           # the connector's default shmkv block size (divides VB)
+
+
+def expected_hit(prompt_len: int, a_generated: int) -> int:
+    """Tokens of a prompt another engine can load after engine A ran it with `a_generated`
+    tokens out: A saved the whole vLLM blocks it computed (the KV of all but its last
+    generated token), and a hit ends at a shmkv block before the prompt's last token."""
+    return min((prompt_len + a_generated - 1) // VB * VB, (prompt_len - 1) // SB * SB)
 FAULT = {"overclaim": "t:fault:overclaim", "reset": "t:fault:reset_before_load",
          "kill": "t:fault:kill_mid_save"}
 ENGINE_TIMEOUT = 900

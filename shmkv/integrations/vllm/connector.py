@@ -93,8 +93,8 @@ class LoadOp:
     tokens: np.ndarray          # int32 ids of tokens [0, end), plus one more (never hashed)
     salt: str
     start: int                  # first token to load (vLLM-block aligned)
-    end: int                    # one past the last (vLLM-block aligned)
-    block_ids: list[int]        # vLLM blocks of tokens [start, end), in order
+    end: int                    # one past the last (shmkv-block aligned)
+    block_ids: list[int]        # vLLM blocks holding tokens [start, end), in order
 
 
 @dataclass
@@ -188,9 +188,11 @@ class ShmkvConnector(KVConnectorBase_V1):
         st.saved_upto = max(st.saved_upto, num_computed_tokens)
         if not self._load_on:
             return 0, False
-        vb = self._vb
+        vb, bs = self._vb, self._bs
         n = request.num_tokens
-        limit = (n - 1) // vb * vb          # vLLM computes at least the last token
+        # vLLM computes at least the last token; a hit may end inside a vLLM block (at a
+        # shmkv block boundary): vLLM computes the rest of that block
+        limit = (n - 1) // bs * bs
         if limit <= num_computed_tokens:
             return 0, False
         ids = _ids(request.all_token_ids, limit, True)
@@ -207,7 +209,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         except Exception as e:              # a cache never fails a request
             log.warning("shmkv: match_prefix failed (%s: %s); no hit", type(e).__name__, e)
             return 0, False
-        hit = hit // vb * vb
+        hit = hit // bs * bs
         if _fault(st.salt, "overclaim") and hit + vb <= limit:
             hit += vb
         if hit <= num_computed_tokens:
@@ -252,10 +254,10 @@ class ShmkvConnector(KVConnectorBase_V1):
             if st.load is not None:
                 start, end = st.load
                 st.load = None
-                if end // vb <= len(st.blocks) and done <= end:
+                if -(-end // vb) <= len(st.blocks) and done <= end:
                     meta.loads.append(LoadOp(
                         req_id, _ids(st.request.all_token_ids, end, True), st.salt, start, end,
-                        st.blocks[start // vb:end // vb]))
+                        st.blocks[start // vb:-(-end // vb)]))
                     st.saved_upto = max(st.saved_upto, end)
             if not self._save_on:
                 continue
@@ -275,7 +277,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             return
         vb = self._vb
         for st in self._reqs.values():
-            for i, b in enumerate(st.blocks[:st.saved_upto // vb]):
+            for i, b in enumerate(st.blocks[:-(-st.saved_upto // vb)]):
                 if b in bad:
                     st.saved_upto = i * vb
                     break
@@ -373,7 +375,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             if _fault(op.salt, "reset_before_load"):
                 kv.reset_prefix_cache()
             sid = kv.create_sequence(tokens=op.tokens, salt=op.salt)
-            have = min(kv.seq_len(sid), op.end) // vb * vb
+            have = min(kv.seq_len(sid), op.end) // self._bs * self._bs
             if have > op.start:
                 table = torch.from_numpy(kv.block_table(sid).astype(np.int64))
                 bs = self._bs

@@ -24,6 +24,7 @@ log = logging.getLogger("shmkv.vllm")
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 _DEFAULT_GIB = 1.0
+DEFAULT_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,9 @@ def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> Segment
         raise ValueError(f"shmkv: kv_cache_dtype {cc.cache_dtype!r} is not supported "
                          "(the connector stores the model's dtype)")
     vb = int(cc.block_size)
-    bs = int(extra.get("block_size", vb))
+    # 16 by default (when it divides vLLM's): a hit ends at a 16-token boundary, so vLLM
+    # recomputes at most 16 tokens of a prompt whose prefix is all there, not a whole block
+    bs = int(extra.get("block_size", DEFAULT_BLOCK if vb % DEFAULT_BLOCK == 0 else vb))
     if bs < 1 or vb % bs:
         raise ValueError(f"shmkv: block_size must divide vLLM's block size {vb}, got {bs}")
     layers = mc.get_num_layers(pc)
