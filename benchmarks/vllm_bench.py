@@ -159,24 +159,25 @@ def _unlink(seg: str) -> None:
         pass
 
 
-def engines(reps: int, core: str, block_sizes=(128, 16)) -> list[dict]:
-    """Per vLLM block size: A (save on) prefills fresh prompts, B (load on) answers them
-    from A's blocks and recomputes them under another salt, C has no connector."""
+def engines(reps: int, core: str, block_sizes=(16, 128)) -> list[dict]:
+    """Per shmkv block size (vLLM's is 128 on CPU; its CPU_ATTN takes multiples of 32):
+    A (save on) prefills fresh prompts, B (load on) answers them from A's blocks and
+    recomputes them under another salt; C (once) has no connector."""
     model, _, _, prompt = _tokenizer_prompts()
     sizes = (1024, 4096)
     prompts = {(n, i): prompt(n, 50 + i * 7 + n // 64) for n in sizes for i in range(reps)}
     tmp = Path(tempfile.mkdtemp(prefix="shmkv-vllm-bench-"))
     common = {"model": model, "max_model_len": 4200, "prefix_caching": False}
-    # decode: a 1k prompt, 1 token (TTFT), then 161 tokens: 160 decode steps, one 128-token
+    # decode: a 1k prompt, 1 token (TTFT), then 161 tokens: 160 decode steps, one vLLM
     # block (tokens 1024-1151) fills and is saved
     dec = prompt(1024, 3)
     decode_req = {"prompt_ids": dec, "max_tokens": 161, "ttft": True, "ignore_eos": True,
                   "cache_salt": "decode"}
     rows = []
-    for vb in block_sizes:
+    for vb in block_sizes:                # (named vb in the rows: the shmkv block size)
         seg = f"shmkv-bench-vllm-{os.getpid()}-{vb}"
-        extra = {"segment": seg, "size_gib": 1.0}
-        job = {**common, "block_size": vb}
+        extra = {"segment": seg, "size_gib": 1.0, "block_size": vb}
+        job = common
         try:
             a = _engine(tmp, f"A{vb}", {**job, "extra": {**extra, "load": False},
                                         "requests": [{"prompt_ids": p, "max_tokens": 1}
@@ -326,13 +327,14 @@ def report(copy_rows, engine_rows, inst_rows, core, load: str) -> str:
     if engine_rows:
         out += [f"## Time to first token, vLLM 0.32 engines pinned to core {core}", "",
                 "B: connector, load on, save off; A: connector, save on, load off; C: no "
-                "connector. Every engine has vLLM's own prefix cache off. vLLM computes "
-                "at least a prompt's last token, so hits end on the last whole vLLM block "
-                "before it: with 128-token blocks a 1024-token prompt loads 896 and "
-                "computes 128, with 16-token blocks it loads 1008. \"save in A\": the "
+                "connector. Every engine has vLLM's own prefix cache off; vLLM's blocks are "
+                "128 tokens. vLLM computes at least a prompt's last token, so a hit ends at "
+                "the last shmkv block before it: with 16-token shmkv blocks (the default) "
+                "a 1024-token prompt loads 1008 and computes 16, with 128-token ones it "
+                "loads 896 and computes 128. \"save in A\": the "
                 "seconds A's worker spent saving (its connector's own clock), over A's "
                 "time to first token.", "",
-                "| vLLM block | prompt tokens | B, A's blocks loaded | B, recomputed | ratio "
+                "| shmkv block | prompt tokens | B, A's blocks loaded | B, recomputed | ratio "
                 "| tokens loaded | A (recompute + save) | save in A | C (no connector) "
                 "| same first token | reps |",
                 "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
@@ -346,8 +348,8 @@ def report(copy_rows, engine_rows, inst_rows, core, load: str) -> str:
                        f"({r['save_in_a_s'] / r['a_s'] * 100:.1f}%) | {c} | "
                        f"{r['same_first_token']} | {r['reps']} |")
         for d in [r for r in engine_rows if r.get("decode")]:
-            out += ["", f"## Decode, ms per token (1k-token prompt, 160 steps; vLLM block "
-                    f"{d['vb']}: one block saved; same engines)", "",
+            out += ["", f"## Decode, ms per token (1k-token prompt, 160 steps: one vLLM "
+                    f"block saved; shmkv block {d['vb']}; same engines)", "",
                     "| A: save on | B: save off | A over B | save in A, ms per token | C: no "
                     "connector | same tokens |",
                     "|---:|---:|---:|---:|---:|---|",
@@ -385,7 +387,7 @@ def main() -> None:
     ap.add_argument("--no-instances", action="store_true", help="skip the N-instances run")
     ap.add_argument("--instances", type=int, default=3)
     ap.add_argument("--per-instance", type=int, default=4)
-    ap.add_argument("--block-sizes", default="128,16")
+    ap.add_argument("--block-sizes", default="16,128", help="shmkv block sizes (divide 128)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--core", default="1", help="taskset core list for the engines")
     ap.add_argument("--out", default=str(HERE / "RESULTS_vllm.md"))
