@@ -30,14 +30,14 @@ def runs(tmp_path_factory):
     seg = unique_name("vllm")
     extra = {"segment": seg, "size_gib": 0.25}
     base = {"model": model, "extra": None, "requests": [
-        {"prompt_ids": P["p1"], "max_tokens": 16},
+        {"prompt_ids": P["p1"], "max_tokens": 32},
         {"prompt_ids": P["turn1"], "max_tokens": 260, "ignore_eos": True},
         {"continue_from": 1, "suffix_ids": P["suffix"], "max_tokens": 16},
         {"prompt_ids": P["p2ext"], "max_tokens": 16},
         {"prompt_ids": P["p2r"], "max_tokens": 16},
     ]}
     a = {"model": model, "extra": extra, "requests": [
-        {"prompt_ids": P["p1"], "max_tokens": 16},
+        {"prompt_ids": P["p1"], "max_tokens": 32},
         {"prompt_ids": P["turn1"], "max_tokens": 260, "ignore_eos": True},
         {"prompt_ids": P["p2"], "max_tokens": 4, "cache_salt": FAULT["overclaim"]},
         {"prompt_ids": P["p2r"], "max_tokens": 4, "cache_salt": FAULT["reset"]},
@@ -60,7 +60,7 @@ def runs(tmp_path_factory):
         kv.close()
         turn2 = rA["results"][1]["prompt_ids"] + rA["results"][1]["token_ids"] + P["suffix"]
         b = {"model": model, "extra": extra, "requests": [
-            {"prompt_ids": P["p1"], "max_tokens": 16},
+            {"prompt_ids": P["p1"], "max_tokens": 32},
             {"prompt_ids": turn2, "max_tokens": 16},
             {"prompt_ids": P["p2ext"], "max_tokens": 16, "cache_salt": FAULT["overclaim"]},
             {"prompt_ids": P["p2r"], "max_tokens": 16, "cache_salt": FAULT["reset"]},
@@ -92,8 +92,8 @@ def test_b_loads_a_prompt_blocks_and_output_equals_baseline(runs):
     assert A[0]["num_cached_tokens"] == 0
     # every block of the prompt A computed, to a shmkv block (16 tokens) inside a vLLM
     # block (vLLM computes the last token itself)
-    assert B[0]["num_cached_tokens"] == expected_hit(len(P["p1"]), 16) >= 896
-    assert expected_hit(len(P["p1"]), 16) % VB != 0, "the prompt should end a hit mid-block"
+    assert B[0]["num_cached_tokens"] == expected_hit(len(P["p1"]), 32) >= 896
+    assert expected_hit(len(P["p1"]), 32) % VB != 0, "the prompt should end a hit mid-block"
     assert B[0]["token_ids"] == base[0]["token_ids"]
     assert runs["a_check"] == []
 
