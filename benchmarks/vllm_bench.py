@@ -1,6 +1,6 @@
 """vLLM on shmkv (issue 20): what ShmkvConnector costs and saves.  Run with the vLLM venv:
 
-    .venv-vllm/bin/python benchmarks/vllm_bench.py            # copies + engines
+    .venv-vllm/bin/python benchmarks/vllm_bench.py            # copies, engines, instances
     .venv-vllm/bin/python benchmarks/vllm_bench.py --copies   # the copy micro-benchmark only
 
 - **copies**: the connector's load (shmkv blocks -> vLLM's CPU_ATTN layout, K transposed) and
@@ -9,14 +9,18 @@
   memcpy floor), both on one torch thread; medians.
 - **engines** (real vLLM 0.32, SmolLM2-135M-Instruct, one engine at a time, every engine
   pinned to the same core with ``taskset``: any kv_transfer_config makes vLLM reserve a core,
-  so unpinned runs are not comparable): engine A (connector: save on, load off, vLLM's own
-  prefix cache off) prefills fresh 1k / 4k-token prompts: its time to first token includes
-  the save; engine B (connector: load on, save off, prefix cache off) answers the same
-  prompts (every full block loaded from A's) and the same prompts under another cache_salt
-  (nothing to load: a recompute).  Time to first token = a 1-token request, medians.
-  A's TTFT over B's recompute is the save's cost on a prefill.
+  so unpinned runs are not comparable), per shmkv block size (16, the default, and 128):
+  engine A (connector: save on, load off, vLLM's own prefix cache off) prefills fresh 1k /
+  4k-token prompts, its connector timing its own saves (SHMKV_VLLM_STATS); engine B
+  (connector: load on, save off, prefix cache off) answers the same prompts (every block
+  loaded from A's) and the same prompts under another cache_salt (nothing to load: a
+  recompute); engine C (once) has no connector.  Time to first token = a 1-token request,
+  medians.  Decode: 160 steps after a 1k prompt, one vLLM block saved on the way.
+- **instances**: N instances one after another serving chats that share a system prompt,
+  on one segment vs a segment each vs no connector: KV held in shmkv, hit rate, tokens/s,
+  outputs equal.
 
-Writes benchmarks/RESULTS_vllm.md (tables); the machine may be shared: ratios are measured
+Writes benchmarks/RESULTS_vllm.md (tables, the machine's ISA and load); ratios are measured
 within one run, against a baseline on the same core.
 """
 from __future__ import annotations
