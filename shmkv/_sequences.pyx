@@ -30,6 +30,9 @@ bind_debug_state()
 
 cdef extern from *:
     """
+    #if PY_VERSION_HEX < 0x030B0000
+    #include "longintrepr.h"        /* PyLongObject's digits (in Python.h from 3.11 on) */
+    #endif
     /* A plain int's value when it fits int64 (1), else 0: the one- and zero-digit ints
      * (every sequence id short of 2^30) read inline, the others through the C API. */
     static inline int shmkv_plain_int64(PyObject *o, int64_t *out) {
