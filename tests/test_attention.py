@@ -85,6 +85,22 @@ def test_decode_matches_reference(make_cache, isa, dtype, group):
     assert cache.check() == []
 
 
+@pytest.mark.parametrize("head_dim", [24, 40, 56, 72, 88, 120])
+def test_decode_head_dims_matches_reference(make_cache, isa, head_dim):
+    """head_dim of 3 to 15 vector chunks: every split of the V accumulation into passes of
+    3, 2 and 1 chunks (AVX2) and of 4 (AVX-512), grouped query heads, float16 and float32."""
+    for dtype in ("float16", "float32"):
+        cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=head_dim, num_blocks=64,
+                           block_size=16, dtype=dtype)
+        rng = np.random.default_rng(head_dim)
+        lengths = [5, 16, 77]
+        sids = [cache.create_sequence() for _ in lengths]
+        for sid, n in zip(sids, lengths):
+            fill(cache, sid, n, rng)
+        q = rng.standard_normal((len(sids), 8, head_dim)).astype(np.float32)
+        assert_close(cache.attention(0, q, sids), reference(cache, 0, q, sids))
+
+
 @pytest.mark.parametrize("dtype", DTYPES + QDTYPES)
 def test_chunked_prefill_matches_reference(make_cache, isa, dtype):
     cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=32, num_blocks=128,

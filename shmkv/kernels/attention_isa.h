@@ -187,7 +187,7 @@ SHMKV_AI float FN(vexpsub)(float *s, float mx) {
 #define CC 4
 #elif SHMKV_ISA_PASS == 1
 #define KB 2
-#define CC 2
+#define CC 3
 #else
 #define KB 4
 #define CC 4
@@ -290,8 +290,19 @@ SHMKV_AI void FN(vacc_k)(float *acc, const float *alpha, const float *p,
                          const uint8_t *const *vrow, uint32_t nt, uint32_t d, const int dt,
                          const int NG, const uint8_t *const *pf, uint32_t npf) {
     uint32_t c = 0;
+#if SHMKV_ISA_PASS == 1
+    /* AVX2: 3 chunks at a time (12 accumulators in 16 ymm: with 8, one key step's FMAs
+     * just covered the FMA latency and any stall showed), then 2 + 2 rather than 3 + 1 at
+     * the end (a lone chunk is 4 dependent chains: half the FMA rate).  Prefetches go
+     * with the first call, as below. */
+    for (; c + 3 * W <= d && d - c != 4 * W; c += 3 * W, npf = 0)
+        FN(vacc_blk)(acc, alpha, p, vrow, nt, d, c, dt, NG, 3, pf, npf);
+    for (; c + 2 * W <= d; c += 2 * W, npf = 0)
+        FN(vacc_blk)(acc, alpha, p, vrow, nt, d, c, dt, NG, 2, pf, npf);
+#else
     for (; c + CC * W <= d; c += CC * W, npf = 0)       /* prefetches with the first chunk */
         FN(vacc_blk)(acc, alpha, p, vrow, nt, d, c, dt, NG, CC, pf, npf);
+#endif
     for (; c < d; c += W, npf = 0) FN(vacc_blk)(acc, alpha, p, vrow, nt, d, c, dt, NG, 1, pf, npf);
     for (uint32_t j = nt; j < npf; j++) shmkv_att_prefetch(pf[j], (size_t)d * SHMKV_ESZ(dt));
 }
