@@ -741,3 +741,60 @@ def test_quantizers_agree_on_random_rows_and_ties(make_cache, dtype, head_dim):
         assert (s[0, :, 0] == 1).all()
         assert (q[0, :, 0] == np.clip(np.rint(ties), -127, 127)).all()
     assert cache.check() == []
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_scratch_kept_between_calls_never_mixes_data(make_cache, dtype):
+    """The quantization scratch a handle keeps between calls (shmkv._quant.SCRATCH_KEEP):
+    appends of growing and shrinking sizes, write() in between, and threads appending
+    through the same handle at once (the GIL is released while quantizing and copying)
+    each store their own codes: gather matches a fresh handle-free computation."""
+    import threading
+
+    cache = make_cache(dtype=dtype, num_blocks=512, max_seqs=16)
+    cfg = cache.config
+    rng = np.random.default_rng(3)
+    want = {}
+
+    def expect(sid, k, v):
+        want.setdefault(sid, []).append((k, v))
+
+    for n in (5, 40, 1, 17):
+        sid = cache.create_sequence()
+        k, v = kv(cfg, n, rng)
+        cache.append(sid, k, v)
+        expect(sid, k, v)
+        slots = cache.reserve(sid, 3)
+        kw, vw = kv(cfg, 3, rng)
+        for layer in range(cfg.num_layers):
+            cache.write(layer, slots, kw[layer], vw[layer])
+        expect(sid, kw, vw)
+    errors = []
+
+    def worker(seed):
+        try:
+            r = np.random.default_rng(seed)
+            sid = cache.create_sequence()
+            for _ in range(20):
+                k, v = kv(cfg, int(r.integers(1, 9)), r)
+                cache.append(sid, k, v)
+                expect(sid, k, v)
+        except BaseException as e:          # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(100 + i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    ref = make_cache(dtype=dtype, num_blocks=512, max_seqs=16)
+    for sid, parts in want.items():
+        rsid = ref.create_sequence()
+        for k, v in parts:
+            ref.append(rsid, k, v)
+        got = cache.gather(sid, raw=True)
+        exp = ref.gather(rsid, raw=True)
+        for a, b in zip(got, exp):
+            assert a.view(np.uint8).tobytes() == b.view(np.uint8).tobytes()
+    assert cache.check() == []
