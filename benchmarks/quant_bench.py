@@ -182,14 +182,18 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: all)")
     ap.add_argument("--append", action="store_true", help="the appends only")
+    ap.add_argument("--cases", default="", help="decode cases BxL,... (e.g. 8x4096,1x32768)")
     ap.add_argument("--json", default=os.path.join(HERE, "out", "quant_speed.json"))
     a = ap.parse_args(argv)
     if a.append:
         return main_append(a)
     cases = [(8, 512, 30), (1, 4096, 30)] if a.quick else [(8, 4096, 41), (1, 32768, 41),
                                                           (4, 32768, 21)]
-    meta = dict(load_before=os.getloadavg(), isa=_attention.isa(),
-                threads=a.threads or _attention.get_num_threads(), cpus=os.cpu_count())
+    if a.cases:
+        cases = [(int(b), int(n), 41) for b, n in (c.split("x") for c in a.cases.split(","))]
+    threads = a.threads or _attention.get_num_threads()     # (reads SHMKV_ATTN_ISA first)
+    meta = dict(load_before=os.getloadavg(), isa=_attention.isa(), threads=threads,
+                cpus=os.cpu_count())
     print(f"load {meta['load_before']}, isa {meta['isa']}, threads {meta['threads']}")
     results = []
     for batch, length, rounds in cases:
