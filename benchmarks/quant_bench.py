@@ -132,7 +132,7 @@ def bench_append(isas, rounds_1=3000, rounds_512=15):
                 v = rng.standard_normal((32, n, HKV, D)).astype(np.float16)
                 samples = {dt: [] for dt in DTYPES}
                 sids = {dt: c.create_sequence() for dt, c in caches.items()}
-                for i in range(rounds):
+                for _ in range(rounds):
                     for dt, c in caches.items():
                         if c.seq_len(sids[dt]) + n > 512:
                             c.free(sids[dt])
