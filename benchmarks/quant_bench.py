@@ -3,6 +3,7 @@ float16, measured in the same run.
 
     python benchmarks/quant_bench.py            # 4k and 32k contexts -> benchmarks/out/quant_speed.json
     python benchmarks/quant_bench.py --quick    # small
+    python benchmarks/quant_bench.py --append   # the write side only (quantizer per ISA)
 
 One layer of Llama-3-8B (32 q heads over 8 kv heads, head_dim 128, block 16); decode: one
 query row per sequence.  The three pools hold the same K/V (random normals; speed does not
@@ -13,6 +14,13 @@ its K and V pools, and an int8 pool's scales, read once by ``_attention.bench_re
 the kernel's threads), timed in the same rounds.  ``os.getloadavg()`` is printed before and
 after.  Tokens per GiB: a whole Llama-3-8B (32 layers) at each dtype, from
 ``CacheConfig.bytes_per_token`` (the int8 pool's per-token scales included).
+
+Writes (``bench_append``): ``append`` of 1 token (a decode step) and of 512 tokens (a
+prefill chunk) to a whole Llama-3-8B (32 layers, float16 input) on each pool, the pools'
+pages touched first (a fresh segment's page faults are not the quantizer's), the three pools
+interleaved call by call, medians; once per quantizer path (``_quant._force_quant_isa``:
+scalar, avx2, avx512 where the CPU has them), float16 measured in the same rounds as the
+baseline of each ratio.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ import uuid
 import numpy as np
 
 import shmkv
-from shmkv import _attention
+from shmkv import _attention, _quant
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -98,6 +106,66 @@ def bench_case(batch, length, rounds, threads):
     return res
 
 
+def _append_pool(dtype, blocks):
+    cfg = shmkv.CacheConfig(num_layers=32, num_kv_heads=HKV, head_dim=D, num_blocks=blocks,
+                            block_size=BS, dtype=dtype, max_seqs=4)
+    cache = shmkv.KVCache.create(f"shmkv-qbench-a-{os.getpid()}-{uuid.uuid4().hex[:8]}", cfg)
+    z = np.zeros((32, blocks * BS, HKV, D), np.float16)
+    sid = cache.create_sequence()
+    cache.append(sid, z, z)                                 # every page of the pools touched
+    cache.free(sid)
+    return cache
+
+
+def bench_append(isas, rounds_1=3000, rounds_512=15):
+    """{isa: {tokens: {dtype: median us, ...}}} for 1- and 512-token appends."""
+    rng = np.random.default_rng(2)
+    blocks = 2 * 512 // BS + 8
+    caches = {dt: _append_pool(dt, blocks) for dt in DTYPES}
+    res = {}
+    try:
+        for isa in isas:
+            _quant._force_quant_isa(isa)
+            res[isa] = {}
+            for n, rounds in ((1, rounds_1), (512, rounds_512)):
+                k = rng.standard_normal((32, n, HKV, D)).astype(np.float16)
+                v = rng.standard_normal((32, n, HKV, D)).astype(np.float16)
+                samples = {dt: [] for dt in DTYPES}
+                sids = {dt: c.create_sequence() for dt, c in caches.items()}
+                for _ in range(rounds):
+                    for dt, c in caches.items():
+                        if c.seq_len(sids[dt]) + n > 512:
+                            c.free(sids[dt])
+                            sids[dt] = c.create_sequence()
+                        t0 = time.perf_counter_ns()
+                        c.append(sids[dt], k, v)
+                        samples[dt].append(time.perf_counter_ns() - t0)
+                for dt, c in caches.items():
+                    c.free(sids[dt])
+                med = {dt: sorted(x)[len(x) // 2] / 1e3 for dt, x in samples.items()}
+                res[isa][n] = {dt: dict(median_us=med[dt], vs_fp16=med[dt] / med["float16"])
+                               for dt in DTYPES}
+    finally:
+        _quant._force_quant_isa(None)
+        for c in caches.values():
+            c.close()
+            c.unlink()
+    return res
+
+
+def quant_isas():
+    """The quantizer paths this CPU runs, portable first."""
+    out = []
+    for isa in ("scalar", "avx2", "avx512"):
+        try:
+            _quant._force_quant_isa(isa)
+            out.append(isa)
+        except ValueError:
+            pass
+    _quant._force_quant_isa(None)
+    return out
+
+
 def tokens_per_gib():
     out = {}
     for dt in DTYPES:
@@ -113,12 +181,19 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: all)")
+    ap.add_argument("--append", action="store_true", help="the appends only")
+    ap.add_argument("--cases", default="", help="decode cases BxL,... (e.g. 8x4096,1x32768)")
     ap.add_argument("--json", default=os.path.join(HERE, "out", "quant_speed.json"))
     a = ap.parse_args(argv)
+    if a.append:
+        return main_append(a)
     cases = [(8, 512, 30), (1, 4096, 30)] if a.quick else [(8, 4096, 41), (1, 32768, 41),
                                                           (4, 32768, 21)]
-    meta = dict(load_before=os.getloadavg(), isa=_attention.isa(),
-                threads=a.threads or _attention.get_num_threads(), cpus=os.cpu_count())
+    if a.cases:
+        cases = [(int(b), int(n), 41) for b, n in (c.split("x") for c in a.cases.split(","))]
+    threads = a.threads or _attention.get_num_threads()     # (reads SHMKV_ATTN_ISA first)
+    meta = dict(load_before=os.getloadavg(), isa=_attention.isa(), threads=threads,
+                cpus=os.cpu_count())
     print(f"load {meta['load_before']}, isa {meta['isa']}, threads {meta['threads']}")
     results = []
     for batch, length, rounds in cases:
@@ -135,6 +210,24 @@ def main(argv=None):
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(dict(meta=meta, results=results, capacity=cap), f, indent=1)
+    return 0
+
+
+def main_append(a):
+    meta = dict(load_before=os.getloadavg(), cpus=os.cpu_count(),
+                quant_isa=_quant._force_quant_isa(None))
+    print(f"load {meta['load_before']}, quantizer isa (best) {meta['quant_isa']}")
+    res = bench_append(quant_isas(), *((300, 5) if a.quick else ()))
+    for isa, by_n in res.items():
+        for n, r in by_n.items():
+            print(f"quantizer {isa}, append {n} token(s), 32 layers: " + ", ".join(
+                f"{dt} {r[dt]['median_us']:.1f} us ({r[dt]['vs_fp16']:.2f}x)" for dt in DTYPES))
+    meta["load_after"] = os.getloadavg()
+    print(f"load {meta['load_after']}")
+    path = a.json.replace("quant_speed.json", "quant_append.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, results=res), f, indent=1)
     return 0
 
 

@@ -119,8 +119,9 @@ cdef extern from "kernels/kernels.h" nogil:
     int shmkv_write_rows(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
                          uint8_t *kbase, uint8_t *vbase, uint64_t stride, uint64_t tb,
                          const uint8_t *k, const uint8_t *v, int64_t *bad)
-    int shmkv_q_isa                 # quant.h's path (this module's copy): -1 unset, 0 C, 1 AVX2
+    int shmkv_q_isa                 # quant.h's path (this module's copy): -1 unset, 0 C, 1 AVX2, 2 AVX-512
     int shmkv_quant_isa()
+    int shmkv_quant_cpu_isa()
     int shmkv_quant_i8(const void *x, int f16, uint64_t rows, uint32_t d, int8_t *q, float *s)
     void shmkv_dequant_i8(const int8_t *q, const float *s, uint64_t rows, uint32_t d, float *x)
     int shmkv_quant_e4m3(const void *x, int f16, uint32_t layers, uint64_t n, uint32_t heads,

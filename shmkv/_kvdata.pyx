@@ -202,6 +202,9 @@ cdef class DataOps(QuantOps):
                                         c.lay.scale_stride, c.lay.scale_bytes, ksb, 1)
                     shmkv_seq_copy_rows(c, slot, pl.len, n, <uint8_t *>c.vscale,
                                         c.lay.scale_stride, c.lay.scale_bytes, vsb, 1)
+            if quant:                   # the scratch, for this handle's next call
+                self._scratch_back(0, ka)
+                self._scratch_back(1, va)
             if ids is not None:
                 self._hash_blocks(c, slot, pl.len + n)
             shmkv_crash(SHMKV_CP_APPEND_BEFORE_PUBLISH)
@@ -324,6 +327,9 @@ cdef class DataOps(QuantOps):
                 st = shmkv_write_rows(c, <uint32_t>lyr, sp, n, <uint8_t *>c.kscale,
                                       <uint8_t *>c.vscale, c.lay.scale_stride,
                                       c.lay.scale_bytes, ksb, vsb, &bad)
+        if quant:
+            self._scratch_back(0, ka)
+            self._scratch_back(1, va)
         if st == SHMKV_ERANGE:
             raise IndexError(
                 f"slots[{bad}]: expected 0 <= slot < {cf.num_blocks * cf.block_size}, "

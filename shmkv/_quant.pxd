@@ -7,6 +7,9 @@ from shmkv._sequences cimport SequenceOps
 
 
 cdef class QuantOps(SequenceOps):
+    cdef list _qbufs                # quantization scratch kept between calls: [K, V]
+    cdef cnp.ndarray _scratch(self, int i, size_t nbytes)
+    cdef int _scratch_back(self, int i, cnp.ndarray q) except -1
     cdef int64_t _layer(self, object layer) except -1
     cdef cnp.ndarray _farray(self, object a, str what, int ndim)
     cdef tuple _quantize(self, cnp.ndarray x, uint32_t layers, uint64_t n, uint32_t layer0,

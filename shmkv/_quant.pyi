@@ -3,11 +3,15 @@ from typing import Union
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 from ._sequences import SequenceOps
 
 _Scales = Union[float, npt.ArrayLike]
 
+SCRATCH_KEEP: int
+
+@disjoint_base
 class QuantOps(SequenceOps):
     def key_scales(self, layer: int) -> npt.NDArray[np.float32]: ...
     def value_scales(self, layer: int) -> npt.NDArray[np.float32]: ...

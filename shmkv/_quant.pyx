@@ -25,6 +25,10 @@ from shmkv._prefix cimport token_range
 cnp.import_array()
 bind_debug_state()
 
+# the most bytes of quantization scratch a handle keeps between calls, per K and per V (a
+# 512-token Llama-3-8B append: 16.5 MiB each); bigger buffers are freed after the call
+SCRATCH_KEEP = 32 << 20
+
 
 cdef class QuantOps(SequenceOps):
     cdef int64_t _layer(self, object layer) except -1:
@@ -42,6 +46,15 @@ cdef class QuantOps(SequenceOps):
         -> float32 (the quantizers read float32 and float16)."""
         if not isinstance(a, np.ndarray):
             raise TypeError(f"{what}: expected numpy.ndarray, got {type(a).__name__}")
+        cdef cnp.ndarray arr = <cnp.ndarray>a
+        cdef int tn = cnp.PyArray_TYPE(arr)
+        # the decode loop's case in C: a native float32 / float16 C-contiguous array of the
+        # right rank is used as it is (dtype.name is a Python-level property: 1.8 us a
+        # read, three reads a call were most of a 1-token append's overhead)
+        if ((tn == cnp.NPY_FLOAT32 or tn == cnp.NPY_FLOAT16)
+                and cnp.PyArray_ISNOTSWAPPED(arr) and cnp.PyArray_NDIM(arr) == ndim
+                and cnp.PyArray_IS_C_CONTIGUOUS(arr)):
+            return arr
         dt = a.dtype
         if dt.name not in ("float32", "float16", "bfloat16") or not dt.isnative:
             raise TypeError(f"{what}: expected dtype float32, float16 or bfloat16 (the "
@@ -50,31 +63,64 @@ cdef class QuantOps(SequenceOps):
             raise ValueError(f"{what}: expected a {ndim}-d array, got shape {a.shape}")
         return np.ascontiguousarray(a, dtype=np.float16 if dt.name == "float16" else np.float32)
 
+    cdef cnp.ndarray _scratch(self, int i, size_t nbytes):
+        """A private buffer of >= nbytes for codes and scales: this handle's cache slot i
+        (0 K, 1 V), taken out of it until _scratch_back, or a new one.  Kept between calls
+        because fresh pages cost their clearing (a quarter of a 512-token int8 append)."""
+        if self._qbufs is None:
+            self._qbufs = [None, None]
+        cdef cnp.ndarray buf = self._qbufs[i]
+        self._qbufs[i] = None               # taken: a thread calling meanwhile makes its own
+        if buf is None or <size_t>cnp.PyArray_NBYTES(buf) < nbytes:
+            buf = np.empty(nbytes, np.uint8)
+        return buf
+
+    cdef int _scratch_back(self, int i, cnp.ndarray q) except -1:
+        """Give the buffer under codes q from _quantize back to cache slot i (up to
+        SCRATCH_KEEP bytes are kept per slot; a bigger one is freed)."""
+        if q is None or self._qbufs is None:
+            return 0
+        base = <object>cnp.PyArray_BASE(q)
+        if (isinstance(base, np.ndarray) and self._qbufs[i] is None
+                and cnp.PyArray_NBYTES(base) <= SCRATCH_KEEP):
+            self._qbufs[i] = base
+        return 0
+
     cdef tuple _quantize(self, cnp.ndarray x, uint32_t layers, uint64_t n, uint32_t layer0,
                          int is_v, str what):
         """x: float32 or float16 [layers][n][heads][d] -> (codes of x's shape in the pool's dtype,
-        float32 scales [layers][n][heads] or None).  ValueError on a non-finite value:
-        nothing in the segment is touched (this runs before any lock)."""
+        float32 scales [layers][n][heads] or None), views of the scratch buffer of slot
+        is_v (the caller gives it back with _scratch_back(is_v, codes) once they are
+        copied).  ValueError on a non-finite value: nothing in the segment is touched
+        (this runs before any lock)."""
         cdef shmkv_ctx_t *c = ctx_of(self)
         cdef uint32_t hkv = c.cfg.num_kv_heads, d = c.cfg.head_dim
         cdef uint64_t rows = <uint64_t>layers * n * hkv
-        cdef cnp.ndarray q = np.empty((<object>x).shape, np.int8)
+        cdef int nd = cnp.PyArray_NDIM(x)
+        cdef bint i8 = c.cfg.dtype == SHMKV_I8
+        cdef size_t qbytes = (rows * d + 63) & ~(<size_t>63)      # scales 64-byte aligned
+        cdef cnp.ndarray buf = self._scratch(is_v, qbytes + (rows * 4 if i8 else 0))
+        cdef uint8_t *bp = <uint8_t *>cnp.PyArray_DATA(buf)
+        cdef cnp.ndarray q = cnp.PyArray_SimpleNewFromData(nd, cnp.PyArray_DIMS(x),
+                                                           cnp.NPY_INT8, bp)
+        cnp.set_array_base(q, buf)
         cdef cnp.ndarray sc = None
         cdef const void *xp = <const void *>cnp.PyArray_DATA(x)
         cdef int f16 = cnp.PyArray_ITEMSIZE(x) == 2
         cdef int st
         cdef const float *hs
-        if c.cfg.dtype == SHMKV_I8:
-            sc = np.empty((<object>x).shape[:-1], np.float32)
+        if i8:
+            sc = cnp.PyArray_SimpleNewFromData(nd - 1, cnp.PyArray_DIMS(x), cnp.NPY_FLOAT32,
+                                               bp + qbytes)
+            cnp.set_array_base(sc, buf)
             with nogil:
-                st = shmkv_quant_i8(xp, f16, rows, d, <int8_t *>cnp.PyArray_DATA(q),
-                                    <float *>cnp.PyArray_DATA(sc))
+                st = shmkv_quant_i8(xp, f16, rows, d, <int8_t *>bp, <float *>(bp + qbytes))
         else:
             hs = c.hscale + (<uint64_t>is_v * c.cfg.num_layers + layer0) * hkv
             with nogil:
-                st = shmkv_quant_e4m3(xp, f16, layers, n, hkv, d, hs,
-                                      <uint8_t *>cnp.PyArray_DATA(q))
+                st = shmkv_quant_e4m3(xp, f16, layers, n, hkv, d, hs, bp)
         if st != SHMKV_OK:
+            self._scratch_back(is_v, q)
             raise ValueError(f"{what}: expected finite values (a {self.config.dtype} pool "
                              f"cannot hold NaN or inf); nothing was written")
         return q, sc
@@ -272,21 +318,22 @@ cdef class QuantOps(SequenceOps):
 
 
 def _force_quant_isa(name):
-    """Test hook: the quantizers' path, "scalar" (portable C) or "avx2" (if the CPU has
-    it), or None for the best.  Returns the path now in use (read back from the switch
-    the dispatch reads)."""
+    """Test hook: the quantizers' path, "scalar" (portable C), "avx2" (AVX2 + F16C) or
+    "avx512" (AVX-512 F/BW/VL), if the CPU runs it, or None for the best.  Returns the path
+    now in use (read back from the switch the dispatch reads)."""
     global shmkv_q_isa      # quant.h's switch (without this, Cython makes a local of it)
+    names = ("scalar", "avx2", "avx512")
     if name is None:
         shmkv_q_isa = -1
-    elif name == "scalar":
-        shmkv_q_isa = 0
-    elif name == "avx2":
-        shmkv_q_isa = -1
-        if shmkv_quant_isa() != 1:
-            raise ValueError("isa 'avx2': this CPU has no AVX2 + F16C")
+    elif name in names:
+        want = names.index(name)
+        if want > shmkv_quant_cpu_isa():
+            raise ValueError(f"isa {name!r}: this CPU does not run it (best: "
+                             f"{names[shmkv_quant_cpu_isa()]!r})")
+        shmkv_q_isa = want
     else:
-        raise ValueError(f"isa: expected 'scalar', 'avx2' or None, got {name!r}")
-    return ("scalar", "avx2")[shmkv_quant_isa()]
+        raise ValueError(f"isa: expected 'scalar', 'avx2', 'avx512' or None, got {name!r}")
+    return names[shmkv_quant_isa()]
 
 
 cdef object _aligned_empty(tuple shape, object dtype):

@@ -17,13 +17,25 @@ QDTYPES = ["int8", "float8_e4m3"]
 E4M3 = ml_dtypes.float8_e4m3fn
 
 
-@pytest.fixture(params=["scalar", "avx2"])
+QISAS = ["scalar", "avx2", "avx512"]
+
+
+def cpu_quant_isas():
+    """The quantizer paths this CPU runs (the portable one always)."""
+    try:
+        best = _quant._force_quant_isa(None)
+    finally:
+        _quant._force_quant_isa(None)
+    return QISAS[:QISAS.index(best) + 1]
+
+
+@pytest.fixture(params=QISAS)
 def qisa(request):
-    """The quantizers' two paths (portable C, AVX2 + F16C), forced in turn."""
+    """The quantizers' three paths (portable C, AVX2 + F16C, AVX-512), forced in turn."""
     try:
         _quant._force_quant_isa(request.param)
     except ValueError:
-        pytest.skip("no AVX2 + F16C on this CPU")
+        pytest.skip(f"this CPU does not run the {request.param} quantizer")
     try:
         yield request.param
     finally:
@@ -369,25 +381,27 @@ def test_wrong_dtypes_and_shapes(make_cache, dtype):
 
 
 def test_quant_paths_agree(make_cache):
-    """The portable and the AVX2 quantizers give the same codes and scales, float16 input
-    included, for both dtypes."""
+    """Every quantizer path this CPU runs gives the portable one's codes and scales,
+    float16 input included, for both dtypes."""
     rng = np.random.default_rng(12)
+    paths = cpu_quant_isas()
     for dtype in QDTYPES:
         cache = make_cache(dtype=dtype, head_dim=64)
         k, v = kv(cache.config, 11, rng)
         k[0, :, 0, :5] = [1e-9, -3e-3, 7e-3, 500.0, -6e4]     # subnormal, saturating codes
-        got = []
-        for path in ("scalar", "avx2"):
-            try:
-                _quant._force_quant_isa(path)
-            except ValueError:
-                pytest.skip("no AVX2 + F16C on this CPU")
-            for x in (k, k.astype(np.float16)):
-                sid = cache.create_sequence()
-                cache.append(sid, x, v)
-                got.append([a.view(np.uint8).tobytes() for a in cache.gather(sid, raw=True)])
-        _quant._force_quant_isa(None)
-        assert got[0] == got[2] and got[1] == got[3]
+        got = {}
+        try:
+            for path in paths:
+                assert _quant._force_quant_isa(path) == path
+                for x in (k, k.astype(np.float16)):
+                    sid = cache.create_sequence()
+                    cache.append(sid, x, v)
+                    got[path, x.dtype.name] = [a.view(np.uint8).tobytes()
+                                               for a in cache.gather(sid, raw=True)]
+        finally:
+            _quant._force_quant_isa(None)
+        for (path, src), raw in got.items():
+            assert raw == got["scalar", src], (dtype, path, src)
 
 
 def test_scale_calls_on_the_wrong_pool(make_cache):
@@ -561,14 +575,20 @@ def test_int8_tiny_rows_keep_their_values(make_cache, qisa):
 
 def test_force_quant_isa_switches_the_dispatch():
     """The hook sets the switch the quantizers' dispatch reads (it used to assign a Cython
-    local, so "scalar" left the AVX2 path in use and the portable one never ran here)."""
+    local, so "scalar" left the AVX2 path in use and the portable one never ran here); a
+    path above the CPU's best is refused, an unknown name too."""
     try:
+        runs = cpu_quant_isas()
+        for path in QISAS:
+            if path in runs:
+                assert _quant._force_quant_isa(path) == path
+            else:
+                with pytest.raises(ValueError):
+                    _quant._force_quant_isa(path)
         assert _quant._force_quant_isa("scalar") == "scalar"
-        try:
-            assert _quant._force_quant_isa("avx2") == "avx2"
-        except ValueError:
-            pass                                    # no AVX2 + F16C: scalar is all there is
-        assert _quant._force_quant_isa("scalar") == "scalar"
+        with pytest.raises(ValueError):
+            _quant._force_quant_isa("avx1024")
+        assert _quant._force_quant_isa(None) == runs[-1]
     finally:
         _quant._force_quant_isa(None)
 
@@ -612,22 +632,24 @@ def _row_classes(shape, f16, rng):
     return x.astype(np.float16) if f16 else x
 
 
-@pytest.mark.parametrize("head_dim", [8, 12, 7, 64])
+@pytest.mark.parametrize("head_dim", [8, 12, 7, 40, 64, 130])
 @pytest.mark.parametrize("dtype", QDTYPES)
 def test_portable_and_vector_quantizers_agree_with_a_reference(make_cache, dtype, head_dim):
-    """Both quantizer paths, forced in turn, on every row class (normal, zero, tiny,
-    huge, saturating; NaN/inf refused), float32 and float16 input, head_dim % 8 == 0
-    (either path) or not (portable only): the same codes and scales as each other and
-    as an independent numpy (int8) / ml_dtypes (e4m3) computation.  A row with a NaN or
-    inf raises before anything is written on both paths (the portable path used to cast
-    the NaN to int8 first: undefined behaviour that make sanitize reports)."""
+    """Every quantizer path (portable, AVX2, AVX-512), forced in turn, on every row class
+    (normal, zero, tiny, huge, saturating; NaN/inf refused), float32 and float16 input,
+    head_dims that are and are not multiples of the vector widths (the vector paths' whole
+    32-element blocks, single vectors and partial last vectors): the same codes and scales
+    as each other, bit for bit, and as an independent numpy (int8) / ml_dtypes (e4m3)
+    computation.  A row with a NaN or inf raises before anything is written on every path
+    (the portable path used to cast the NaN to int8 first: undefined behaviour that make
+    sanitize reports)."""
     cache = make_cache(dtype=dtype, head_dim=head_dim, num_kv_heads=2, block_size=4,
                        num_blocks=128)
     cfg = cache.config
     if dtype == "float8_e4m3":
         cache.set_kv_scales(1, 0.25, 3.0)
     rng = np.random.default_rng(head_dim)
-    paths = ["scalar", "avx2"]
+    paths = QISAS
     try:
         for f16 in (False, True):
             k = _row_classes((cfg.num_layers, 16, cfg.num_kv_heads, head_dim), f16, rng)
@@ -637,7 +659,7 @@ def test_portable_and_vector_quantizers_agree_with_a_reference(make_cache, dtype
                 try:
                     assert _quant._force_quant_isa(path) == path
                 except ValueError:
-                    continue                        # no AVX2 + F16C on this CPU
+                    continue                        # not on this CPU
                 sid = cache.create_sequence()
                 cache.append(sid, k, v)
                 got[path] = raw = cache.gather(sid, raw=True)
@@ -655,17 +677,124 @@ def test_portable_and_vector_quantizers_agree_with_a_reference(make_cache, dtype
                                 want = _ref_e4m3(x[layer, :, h], sc)
                                 assert (codes[layer, :, h].view(np.uint8) == want).all(), \
                                     (path, f16, kind, layer, h)
-                for bad in (np.nan, np.inf, -np.inf):
-                    kb = k.copy()
-                    kb[1, 5, 1, head_dim - 1] = bad
-                    sid2 = cache.create_sequence()
-                    with pytest.raises(ValueError):
-                        cache.append(sid2, kb, v)
-                    assert cache.seq_len(sid2) == 0
-                    cache.free(sid2)
-            if len(got) == 2:
-                for a, b in zip(got["scalar"], got["avx2"]):
-                    assert a.view(np.uint8).tobytes() == b.view(np.uint8).tobytes()
+                for bad, pos in ((np.nan, head_dim - 1), (np.inf, 0), (-np.inf, head_dim // 2)):
+                    for which in (0, 1):            # in k, then in v
+                        kb, vb = k.copy(), v.copy()
+                        (kb, vb)[which][1, 5, 1, pos] = bad
+                        sid2 = cache.create_sequence()
+                        with pytest.raises(ValueError):
+                            cache.append(sid2, kb, vb)
+                        assert cache.seq_len(sid2) == 0
+                        cache.free(sid2)
+            assert list(got) == cpu_quant_isas()
+            for path, raw in got.items():
+                for a, b in zip(got["scalar"], raw):
+                    assert a.view(np.uint8).tobytes() == b.view(np.uint8).tobytes(), path
     finally:
         _quant._force_quant_isa(None)
+    assert cache.check() == []
+
+
+@pytest.mark.parametrize("head_dim", [128, 13])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_quantizers_agree_on_random_rows_and_ties(make_cache, dtype, head_dim):
+    """Many random rows (magnitudes over 2^-30..2^30 per row, float16 subnormals in the
+    float16 input) and rows of exact rounding ties (int8: k + 1/2 under a scale of 1;
+    e4m3: midpoints between neighbouring codes): every quantizer path the CPU runs gives
+    the portable path's codes and scales, bit for bit."""
+    cache = make_cache(dtype=dtype, head_dim=head_dim, num_kv_heads=2, num_layers=1,
+                       block_size=16, num_blocks=64)
+    rng = np.random.default_rng(7 + head_dim)
+    n = 300
+    shape = (1, n, 2, head_dim)
+    mag = np.exp2(rng.uniform(-30, 30, shape[:-1] + (1,)))
+    k = (rng.standard_normal(shape) * mag).astype(np.float32)
+    if dtype == "int8":                              # ties: 127 sets the scale to 1
+        ties = np.arange(head_dim, dtype=np.float32) % 127 - 63 + np.float32(0.5)
+        ties[0] = 127.0
+    else:                                            # between e4m3 neighbours, scale 1
+        grid = np.arange(0, 0x7f, dtype=np.uint8).view(E4M3).astype(np.float32)
+        mids = (grid[:-1] + grid[1:]) / 2
+        ties = np.resize(mids, head_dim) * np.where(np.arange(head_dim) % 2, -1, 1)
+    k[0, :8, 0] = ties
+    v = k[:, ::-1].copy()
+    k16 = (rng.standard_normal(shape) * np.exp2(rng.uniform(-20, 10, shape[:-1] + (1,))))
+    k16 = k16.astype(np.float16)                    # subnormal float16s in the small rows
+    assert (np.abs(k16) < np.float16(6.1e-5)).any()
+    got = {}
+    try:
+        for path in cpu_quant_isas():
+            assert _quant._force_quant_isa(path) == path
+            for src, (a, b) in (("f32", (k, v)), ("f16", (k16, k16[:, ::-1].copy()))):
+                sid = cache.create_sequence()
+                cache.append(sid, a, b)
+                got[path, src] = [x.view(np.uint8).tobytes() for x in cache.gather(sid, raw=True)]
+                cache.free(sid)
+    finally:
+        _quant._force_quant_isa(None)
+    for (path, src), raw in got.items():
+        assert raw == got["scalar", src], (path, src)
+    if dtype == "int8":                              # and the ties rounded to even
+        sid = cache.create_sequence()
+        cache.append(sid, k[:, :8], v[:, :8])
+        q, _, s, _ = cache.gather(sid, raw=True)
+        assert (s[0, :, 0] == 1).all()
+        assert (q[0, :, 0] == np.clip(np.rint(ties), -127, 127)).all()
+    assert cache.check() == []
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_scratch_kept_between_calls_never_mixes_data(make_cache, dtype):
+    """The quantization scratch a handle keeps between calls (shmkv._quant.SCRATCH_KEEP):
+    appends of growing and shrinking sizes, write() in between, and threads appending
+    through the same handle at once (the GIL is released while quantizing and copying)
+    each store their own codes: gather matches a fresh handle-free computation."""
+    import threading
+
+    cache = make_cache(dtype=dtype, num_blocks=512, max_seqs=16)
+    cfg = cache.config
+    rng = np.random.default_rng(3)
+    want = {}
+
+    def expect(sid, k, v):
+        want.setdefault(sid, []).append((k, v))
+
+    for n in (5, 40, 1, 17):
+        sid = cache.create_sequence()
+        k, v = kv(cfg, n, rng)
+        cache.append(sid, k, v)
+        expect(sid, k, v)
+        slots = cache.reserve(sid, 3)
+        kw, vw = kv(cfg, 3, rng)
+        for layer in range(cfg.num_layers):
+            cache.write(layer, slots, kw[layer], vw[layer])
+        expect(sid, kw, vw)
+    errors = []
+
+    def worker(seed):
+        try:
+            r = np.random.default_rng(seed)
+            sid = cache.create_sequence()
+            for _ in range(20):
+                k, v = kv(cfg, int(r.integers(1, 9)), r)
+                cache.append(sid, k, v)
+                expect(sid, k, v)
+        except BaseException as e:          # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(100 + i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    ref = make_cache(dtype=dtype, num_blocks=512, max_seqs=16)
+    for sid, parts in want.items():
+        rsid = ref.create_sequence()
+        for k, v in parts:
+            ref.append(rsid, k, v)
+        got = cache.gather(sid, raw=True)
+        exp = ref.gather(rsid, raw=True)
+        for a, b in zip(got, exp):
+            assert a.view(np.uint8).tobytes() == b.view(np.uint8).tobytes()
     assert cache.check() == []
