@@ -148,7 +148,7 @@ lint: install
 	$(VENV)/bin/ruff check shmkv tests benchmarks tools
 	: > /tmp/shmkv-lint.log
 	for f in shmkv/*.pyx; do $(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I shmkv -o /tmp/shmkv-lint.c $$f 2>&1 | tee -a /tmp/shmkv-lint.log; done
-	! grep -qiE 'warning|performance hint' /tmp/shmkv-lint.log
+	! grep -qiE 'warning|performance hint|error' /tmp/shmkv-lint.log
 	$(VENV)/bin/mypy --strict tests/typecheck/api_usage.py
 	cd /tmp && $(abspath $(PY)) -m mypy.stubtest --allowlist $(abspath tests/typecheck/stubtest_allowlist.txt) $(STUBBED)
 

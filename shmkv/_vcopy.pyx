@@ -81,23 +81,23 @@ cdef void _copy(elem_t* t, elem_t* kp, elem_t* vp, Py_ssize_t H, Py_ssize_t D,
                     shmkv_vt32(sk + h * D, HD, kv_k, VB, bs, D)
                 else:
                     shmkv_vt32(kv_k, VB, sk + h * D, HD, D, bs)
-                continue
-            d0 = 0
-            while d0 < D:
-                d1 = min(d0 + TILE, D)
-                j0 = 0
-                while j0 < bs:
-                    j1 = min(j0 + TILE, bs)
-                    if to_vllm:
-                        for d in range(d0, d1):
-                            for j in range(j0, j1):
-                                kv_k[d * VB + j] = sk[j * HD + h * D + d]
-                    else:
-                        for j in range(j0, j1):
+            else:
+                d0 = 0
+                while d0 < D:
+                    d1 = min(d0 + TILE, D)
+                    j0 = 0
+                    while j0 < bs:
+                        j1 = min(j0 + TILE, bs)
+                        if to_vllm:
                             for d in range(d0, d1):
-                                sk[j * HD + h * D + d] = kv_k[d * VB + j]
-                    j0 = j1
-                d0 = d1
+                                for j in range(j0, j1):
+                                    kv_k[d * VB + j] = sk[j * HD + h * D + d]
+                        else:
+                            for j in range(j0, j1):
+                                for d in range(d0, d1):
+                                    sk[j * HD + h * D + d] = kv_k[d * VB + j]
+                        j0 = j1
+                    d0 = d1
 
 
 def copy_blocks(uintptr_t t_ptr, Py_ssize_t t_blocks, uintptr_t k_ptr, uintptr_t v_ptr,
