@@ -302,17 +302,10 @@ def instances(n_inst: int, per: int, core: str) -> list[dict]:
 
 
 def _isa() -> str:
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return ("AVX-512 (F/BW/VL" + ("/BF16" if "avx512_bf16" in flags else "")
-            + (", AMX" if "amx_tile" in flags else "") + ")" if "avx512f" in flags
-            else "AVX2+FMA+F16C" if "avx2" in flags else "no AVX2")
+    """The CPU's instruction-set level as shmkv's kernels see it (scalar/avx2/avx512/amx)."""
+    from shmkv import _attention
+
+    return f"ISA {_attention.cpu_isa()}"
 
 
 def report(copy_rows, engine_rows, inst_rows, core, load: str) -> str:

@@ -118,3 +118,18 @@ def isa(request):
         yield request.param
     finally:
         _attention._force_isa(before)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Redis Cluster of 3 masters from Debian's redis-server on free loopback ports,
+    started for a module and stopped after it (the tier tests: tests/test_tier.py,
+    tests/vllm/test_vllm_tier.py, which skip or fail on a missing server themselves)."""
+    from shmkv.tier.cluster import LocalCluster, free_ports
+
+    c = LocalCluster(free_ports(3))
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()

@@ -20,7 +20,7 @@ if os.environ.get("CI"):
     import redis  # noqa: F401
 else:
     redis = pytest.importorskip("redis")
-from shmkv.tier.cluster import LocalCluster, free_ports, redis_available  # noqa: E402
+from shmkv.tier.cluster import free_ports, redis_available  # noqa: E402
 
 if os.environ.get("CI") and not redis_available():
     raise RuntimeError("CI: redis-server is missing (make redis installs it)")
@@ -30,16 +30,6 @@ pytestmark = pytest.mark.skipif(not redis_available(),
 CFG = dict(num_layers=4, num_kv_heads=2, head_dim=32, num_blocks=96, block_size=8,
            max_seqs=16)
 SEED = 0x5EED
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = LocalCluster(free_ports(3))
-    c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture

@@ -29,22 +29,12 @@ if os.environ.get("CI"):
     import redis  # noqa: F401   (CI: a missing client or server is a failure)
 else:
     redis = pytest.importorskip("redis")
-from shmkv.tier.cluster import LocalCluster, free_ports, redis_available  # noqa: E402
+from shmkv.tier.cluster import free_ports, redis_available  # noqa: E402
 
 if os.environ.get("CI") and not redis_available():
     raise RuntimeError("CI: redis-server is missing (make redis installs it)")
 pytestmark = pytest.mark.skipif(not redis_available(),
                                 reason="redis-server missing (make redis installs it)")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = LocalCluster(free_ports(3))
-    c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture
