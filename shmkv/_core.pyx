@@ -1,4 +1,6 @@
-# cython: language_level=3
+# cython: language_level=3, binding=False
+# binding=False: the methods of the cdef classes are method descriptors, which check
+# self; Cython 3's cyfunctions do not (KVCache.unlink("name") crashed the interpreter).
 """shmkv._core: the handle's base -- the mapping, this process's attachment, the Segment
 class that the method chain starts from -- and what every other module shares: the one
 status -> exception translator, the crash-point and planted-bug switches, the C API of

@@ -1,4 +1,6 @@
-# cython: language_level=3
+# cython: language_level=3, binding=False
+# binding=False: the methods of the cdef classes are method descriptors, which check
+# self; Cython 3's cyfunctions do not (KVCache.unlink("name") crashed the interpreter).
 """shmkv._events: the KV event ring, read lock-free, and the prefix-index reset.
 
 Owns: ``read(cache, since, max_events)`` behind ``KVCache.events``, ``EventReader`` (the

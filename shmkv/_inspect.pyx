@@ -1,4 +1,6 @@
-# cython: language_level=3
+# cython: language_level=3, binding=False
+# binding=False: the methods of the cdef classes are method descriptors, which check
+# self; Cython 3's cyfunctions do not (KVCache.unlink("name") crashed the interpreter).
 """shmkv._inspect: observability and repair.
 
 InspectOps, the first link of the method chain above _core.Segment: stats(), check(),

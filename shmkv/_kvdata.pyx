@@ -1,4 +1,6 @@
-# cython: language_level=3
+# cython: language_level=3, binding=False
+# binding=False: the methods of the cdef classes are method descriptors, which check
+# self; Cython 3's cyfunctions do not (KVCache.unlink("name") crashed the interpreter).
 """shmkv._kvdata: the K/V bytes of sequences, in and out -- the decode loop's calls.
 
 DataOps (the last link of the method chain; KVCache subclasses it): append, reserve,

@@ -1,4 +1,6 @@
-# cython: language_level=3
+# cython: language_level=3, binding=False
+# binding=False: the methods of the cdef classes are method descriptors, which check
+# self; Cython 3's cyfunctions do not (KVCache.unlink("name") crashed the interpreter).
 """shmkv._prefix: the prefix cache and what works on a sequence's token ids.
 
 PrefixOps (above _inspect.InspectOps in the method chain): match_prefix, commit,

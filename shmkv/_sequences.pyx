@@ -1,4 +1,6 @@
-# cython: language_level=3
+# cython: language_level=3, binding=False
+# binding=False: the methods of the cdef classes are method descriptors, which check
+# self; Cython 3's cyfunctions do not (KVCache.unlink("name") crashed the interpreter).
 """shmkv._sequences: the life of a sequence and its tables.
 
 SequenceOps (above _prefix.PrefixOps in the method chain): create_sequence (from this

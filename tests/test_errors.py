@@ -541,3 +541,32 @@ def test_cache_still_works_after_a_storm_of_bad_calls(env):
     assert_same(gv, np.concatenate([env.v, v], 1))
     assert_same(c.gather(env.f)[0], env.k)
     assert_consistent(c)
+
+
+def _unbound_methods():
+    """Every public method of the handle's compiled classes, looked up on the class."""
+    from shmkv import _core, _events, _inspect, _kvdata, _prefix, _quant, _sequences
+    classes = [_core.Segment, _inspect.InspectOps, _prefix.PrefixOps, _sequences.SequenceOps,
+               _quant.QuantOps, _kvdata.DataOps, _events.EventReader]
+    out = []
+    for cls in classes:
+        for name, attr in vars(cls).items():
+            # instance methods (class and static methods take no handle)
+            if type(attr).__name__ == "method_descriptor" and not name.startswith("__"):
+                out.append(pytest.param(cls, name, id=f"{cls.__name__}.{name}"))
+    return out
+
+
+def test_the_compiled_methods_are_method_descriptors():
+    """binding=False took effect (else the test below would check nothing)."""
+    assert len(_unbound_methods()) > 40
+
+
+@pytest.mark.parametrize("cls,name", _unbound_methods())
+def test_unbound_method_with_a_foreign_self_is_a_type_error(cls, name):
+    """`KVCache.unlink("name")` -- a method called on the class with something else as
+    self -- is a TypeError, not a crash: the compiled modules are built with binding=False,
+    whose method descriptors check self (Cython 3's default cyfunctions do not, and read
+    the str's memory as the handle's fields)."""
+    with pytest.raises(TypeError):
+        getattr(cls, name)("shmkv-not-a-handle")
