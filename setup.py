@@ -82,7 +82,7 @@ attention = Extension(
     extra_link_args=ldflags,
     libraries=["m", "pthread"],
     depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h",
-             "shmkv/kernels/attention_amx.h"] + PXD,
+             "shmkv/kernels/attention_amx.h", "shmkv/kernels/attention_gemm.h"] + PXD,
 )
 
 VARIANT, STAMP = ("debug" if DEBUG else "release"), ".cython-variant"

@@ -64,8 +64,10 @@ cdef extern from "kernels/attention.h" nogil:
     int shmkv_attn_cpu_isa()
     int shmkv_attn_isa()
     int shmkv_attn_force_isa(int isa)
+    int shmkv_attn_force_rows(int on)
     const char *shmkv_attn_pool()
     double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink)
+    double shmkv_bench_fma(uint64_t n, int threads, double *sink)
 
 ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
 
@@ -117,6 +119,34 @@ def _force_isa(name):
         raise ValueError(f"isa: expected one of {ISA_NAMES}, got {name!r}")
     if shmkv_attn_force_isa(ISA_NAMES.index(name)) != 0:
         raise ValueError(f"isa {name!r}: this CPU runs at most {cpu_isa()!r}")
+
+
+def _force_rows(on):
+    """Test and benchmark hook: True runs prefill rows on the row item only (the kernel
+    before the GEMM-shaped item, issue 21); False (the default) takes the GEMM item where
+    it applies: a vector ISA, several rows, at least 8 query vectors per kv head, and no
+    AMX tile path for the pool."""
+    shmkv_attn_force_rows(1 if on else 0)
+
+
+def bench_fma(threads=None, rounds=20_000_000):
+    """The dot-product bound's rate: float32 multiply-adds per second (lanes counted) on
+    ``threads`` threads of the kernel's pool (default: all), each running ``rounds`` x 16
+    independent FMAs from registers in the vector width of the path in use (isa())."""
+    tp = 0 if threads is None else operator.index(threads)
+    rp = operator.index(rounds)
+    if tp < 0 or tp > 1024:
+        raise ValueError(f"threads: expected 0 <= threads <= 1024, got {tp}")
+    if rp < 1 or rp > 10 ** 12:
+        raise ValueError(f"rounds: expected 1 <= rounds <= 10**12, got {rp}")
+    cdef int t = tp
+    cdef uint64_t n = rp
+    cdef double sink = 0, rate
+    with nogil:
+        rate = shmkv_bench_fma(n, t, &sink)
+    if rate < 0:
+        raise MemoryError("bench_fma: no scratch for the pool")
+    return rate
 
 
 @cython.boundscheck(False)

@@ -348,6 +348,22 @@ def test_read_floor_helper():
     assert _attention.bench_read(buf, threads=1) > 0
 
 
+def test_fma_rate_helper(isa):
+    """The benchmark's dot-product bound: lane-FMAs per second in the path's width.  A
+    vector path runs several lanes per FMA: far above the scalar rate of the same CPU."""
+    rate = _attention.bench_fma(threads=1, rounds=200_000)
+    assert rate > 0
+    if isa != "scalar":
+        _attention._force_isa("scalar")
+        try:
+            assert rate > 3 * _attention.bench_fma(threads=1, rounds=50_000)
+        finally:
+            _attention._force_isa(isa)
+    for bad in ({"threads": -1}, {"threads": 5000}, {"rounds": 0}):
+        with pytest.raises(ValueError, match="expected"):
+            _attention.bench_fma(**bad)
+
+
 # ---- bad input: the contract's errors, and the segment unchanged ----------------------------
 @pytest.fixture
 def loaded(make_cache):

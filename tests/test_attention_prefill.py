@@ -90,3 +90,69 @@ def test_corrupt_block_table_in_a_prefill_is_segment_error(make_cache, isa, dtyp
         entry[0] = good
     assert_close(cache.attention(0, q, [sid], q_lens=[40]), reference(cache, 0, q, [sid], [40]))
     assert cache.check() == []
+
+
+@pytest.fixture
+def rows_item():
+    """The row item forced for prefill rows (_force_rows), restored after."""
+    try:
+        yield lambda on: _attention._force_rows(on)
+    finally:
+        _attention._force_rows(False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "float8_e4m3"])
+@pytest.mark.parametrize("d,hkv,hq,bs", [(64, 2, 8, 16), (24, 3, 9, 5), (128, 1, 16, 32)])
+def test_gemm_item_agrees_with_row_item(make_cache, isa, two_threads, rows_item, dtype, d, hkv,
+                                        hq, bs):
+    """The GEMM-shaped FMA item (issue 21) against the row item and the float64 reference:
+    query vectors that do not fill the lanes (45 x 3), a row tile split into key chunks
+    (one long sequence, 2 threads), a block size that does not divide the 32-key step,
+    head_dim 24 (the AVX2 item, also under avx512), quantized pools.  The two items do
+    different arithmetic, so where a vector ISA runs the GEMM item they must differ in
+    the last bits -- proof that it ran -- and agree to fp32 error."""
+    cache = make_cache(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=2200 // bs + 8,
+                       block_size=bs, dtype=dtype)
+    rng = np.random.default_rng(d + hq + bs)
+    lengths, q_lens = [1500, 45, 300], [70, 45, 40]
+    sids = [cache.create_sequence() for _ in lengths]
+    for sid, n in zip(sids, lengths):
+        fill(cache, sid, n, rng, scale=2.0)
+    q = rng.standard_normal((sum(q_lens), hq, d)).astype(np.float32)
+    want = reference(cache, 0, q, sids, q_lens)
+    rows_item(True)
+    by_rows = cache.attention(0, q, sids, q_lens=q_lens)
+    rows_item(False)
+    gemm = cache.attention(0, q, sids, q_lens=q_lens)
+    assert_close(by_rows, want)
+    assert_close(gemm, want)
+    # the AMX tiles take float16/bfloat16 rows where head_dim is a multiple of 32
+    tiles = isa == "amx" and dtype in ("float16", "bfloat16") and d % 32 == 0
+    if isa == "scalar" or tiles:    # the row item (or the tiles) either way
+        assert np.array_equal(gemm, by_rows)
+    else:
+        assert not np.array_equal(gemm, by_rows)
+    # the first row of the 45-token prompt sees one key: v[0] exactly on either item
+    _, v = cache.gather(sids[1])
+    first = sum(q_lens[:1])
+    g = hq // hkv
+    for h in range(hq):
+        assert np.array_equal(gemm[first, h], v[0, 0, h // g].astype(np.float32))
+
+
+@pytest.mark.parametrize("what", [np.nan, np.inf])
+def test_gemm_item_keeps_a_bad_query_row_to_itself(make_cache, isa, two_threads, what):
+    """The lanes of the GEMM item are query vectors: a NaN/inf in one row's q makes that
+    row's output whatever it is, never a crash, and leaves the other rows exact."""
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=128,
+                       block_size=16, dtype="float32")
+    rng = np.random.default_rng(8)
+    sid = cache.create_sequence()
+    fill(cache, sid, 600, rng)
+    q = rng.standard_normal((48, 8, 64)).astype(np.float32)
+    want = reference(cache, 0, q, [sid], [48])
+    q[5, 3, 7] = what
+    got = cache.attention(0, q, [sid], q_lens=[48])
+    keep = np.ones(48, bool)
+    keep[5] = False
+    assert_close(got[keep], want[keep])

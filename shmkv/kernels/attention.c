@@ -177,6 +177,15 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 
 typedef int (*shmkv_item_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                              uint32_t);
+/* the prefill items on FMAs (attention_gemm.h): the row item's arguments and a scratch */
+typedef int (*shmkv_gemm_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
+                             uint32_t, float *);
+typedef size_t (*shmkv_gemm_scratch_fn)(uint32_t, uint32_t);
+/* fewest query vectors per kv head for the GEMM item: below, its padded lanes cost more
+ * than the row item's horizontal sums (measured: 4 rows x 4 heads 1.4x the row item's
+ * time, 8 x 4 0.9x, on AVX-512 and AVX2 alike) */
+#define GEMM_MIN_QV 32
+static int shmkv_att_gemm_off;  /* _attention._force_prefill("rows"): the row item always */
 
 static int shmkv_att_isa_forced = -1;
 
@@ -222,6 +231,32 @@ static shmkv_item_fn shmkv_att_pick(uint32_t d) {
     (void)isa;
 #endif
     return shmkv_att_item_scalar;
+}
+
+/* The GEMM-shaped prefill item of the widest path whose width divides d; NULL: none (the
+ * scalar path, or switched off). */
+static shmkv_gemm_fn shmkv_att_pick_gemm(uint32_t d, shmkv_gemm_scratch_fn *scratch) {
+    int isa = shmkv_attn_isa();
+    *scratch = NULL;
+    if (shmkv_att_gemm_off) return NULL;
+#if SHMKV_HAVE_X86
+    if (isa >= SHMKV_ISA_AVX512 && d % 16 == 0) {
+        *scratch = shmkv_gemm_scratch_avx512;
+        return shmkv_att_item_gemm_avx512;
+    }
+    if (isa >= SHMKV_ISA_AVX2 && d % 8 == 0) {
+        *scratch = shmkv_gemm_scratch_avx2;
+        return shmkv_att_item_gemm_avx2;
+    }
+#else
+    (void)isa; (void)d;
+#endif
+    return NULL;
+}
+
+int shmkv_attn_force_rows(int on) {
+    shmkv_att_gemm_off = on != 0;
+    return 0;
 }
 
 /* ---- the thread pool ------------------------------------------------------------------ */
@@ -497,6 +532,8 @@ int shmkv_attn_get_threads(void) {
 
 /* ---- the attention job ---------------------------------------------------------------- */
 static shmkv_item_fn shmkv_att_fn;
+static shmkv_gemm_fn shmkv_att_gemm;    /* the call's GEMM prefill item, or NULL */
+static shmkv_gemm_scratch_fn shmkv_att_gemm_scratch;
 static int shmkv_att_isa_now;           /* the call's ISA (call_mu held) */
 
 static float *shmkv_scratch_get(int tid, size_t floats) {
@@ -520,12 +557,15 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     /* prefill rows of a float16/bfloat16 pool go to the tiles where the CPU has them */
     const int amx = SHMKV_HAVE_X86 && shmkv_att_isa_now >= SHMKV_ISA_AMX && it->nrows > 1 &&
                     d % 32 == 0 && (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16);
+    /* other prefill rows, enough query vectors to fill the lanes: the GEMM-shaped item */
+    const int gemm = !amx && shmkv_att_gemm != NULL && it->nrows > 1 && it->nrows * G >= GEMM_MIN_QV;
     /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] (then the tiles' own) */
     const size_t base = ((size_t)nqv * (2 * d + 2) + 64 + 15) / 16 * 16;
 #if SHMKV_HAVE_X86
-    const size_t extra = amx ? shmkv_amx_scratch(it->nrows * G, d) : 0;
+    const size_t extra = amx ? shmkv_amx_scratch(it->nrows * G, d)
+                       : gemm ? shmkv_att_gemm_scratch(it->nrows * G, d) : 0;
 #else
-    const size_t extra = 0;
+    const size_t extra = gemm ? shmkv_att_gemm_scratch(it->nrows * G, d) : 0;
 #endif
     float *s = shmkv_scratch_get(tid, base + extra);
     if (s == NULL) { j->err = SHMKV_ATT_ENOMEM; return; }
@@ -533,9 +573,11 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     shmkv_att_load_q(a, it, qf);
 #if SHMKV_HAVE_X86
     const int rc = amx ? shmkv_att_item_amx(a, it, qf, acc, nqv, s + base)
+                 : gemm ? shmkv_att_gemm(a, it, qf, acc, nqv, s + base)
                        : shmkv_att_fn(a, it, qf, acc, nqv);
 #else
-    const int rc = shmkv_att_fn(a, it, qf, acc, nqv);
+    const int rc = gemm ? shmkv_att_gemm(a, it, qf, acc, nqv, s + base)
+                        : shmkv_att_fn(a, it, qf, acc, nqv);
 #endif
     if (rc != 0) {
         j->bad_seq = (int)it->seq;
@@ -618,18 +660,21 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     pthread_once(&shmkv_att_once, shmkv_att_init);
     if (a->hkv == 0 || a->hq % a->hkv || a->d == 0 || a->block_size == 0) return SHMKV_ATT_EARG;
     const uint32_t G = a->hq / a->hkv;
-    /* query rows per item; four times as many on the tiles (the K/V packing of a step is
-     * shared by more query vectors) */
-    const uint32_t qvmax = shmkv_attn_isa() >= SHMKV_ISA_AMX && a->d % 32 == 0 &&
-                           (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16)
-                           ? 4 * QV_MAX : QV_MAX;
-    const uint32_t rt = G >= qvmax ? 1 : qvmax / G;
     pthread_mutex_lock(&P.call_mu);
     int st = SHMKV_ATT_OK;
     if (shmkv_pool_start() != 0) { st = SHMKV_ATT_ENOMEM; goto out; }
     const int threads = P.wanted;
     shmkv_att_fn = shmkv_att_pick(a->d);
+    shmkv_att_gemm = shmkv_att_pick_gemm(a->d, &shmkv_att_gemm_scratch);
     shmkv_att_isa_now = shmkv_attn_isa();
+    /* query rows per item; four times as many on the tiles, eight times on the GEMM
+     * items (a step's K/V rows, read and converted once, serve more query vectors: a 4k
+     * float32 context is 4 MiB per kv head, read once per item; 512 rows into 4k took
+     * 1.3x the time with 32 query vectors per head, 1.04x with 128, against 256) */
+    const int amx_call = shmkv_att_isa_now >= SHMKV_ISA_AMX && a->d % 32 == 0 &&
+                         (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16);
+    const uint32_t qvmax = amx_call ? 4 * QV_MAX : shmkv_att_gemm != NULL ? 8 * QV_MAX : QV_MAX;
+    const uint32_t rt = G >= qvmax ? 1 : qvmax / G;
 
     /* the base items: (seq, row tile), every head; the work is the keys each reads */
     uint64_t nbase = 0, work = 0;
@@ -743,27 +788,122 @@ static void shmkv_read_task(void *ctx, uint32_t i, int tid) {
     j->sums[i] = shmkv_read_plain(j->buf + a, b - a);
 }
 
-double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink) {
+/* ---- the FMA peak ---------------------------------------------------------------------
+ * float32 lane-FMAs per second: independent FMA chains per thread, registers only, in the
+ * vector width of the path in use. */
+typedef struct {
+    uint64_t n;
+    int isa;
+    float sums[256];
+} shmkv_fma_job_t;
+
+#if SHMKV_HAVE_X86
+/* NC independent chains (distinct starts: equal chains would be merged by the compiler),
+ * plus the two constants, all in registers: 16 of 32 zmm, 12 of 16 ymm (enough for 2 FMA
+ * ports x 4 cycles of latency) */
+#define SHMKV_FMA_CHAINS(T, NC, FMA, SET1, ADD, OUT)                                     \
+    do {                                                                               \
+        T a[NC];                                                                       \
+        _Pragma("GCC unroll 16") for (int k = 0; k < NC; k++) a[k] = SET1(1e-3f * (float)(k + 1)); \
+        const T b = SET1(0.9999f), c = SET1(1e-7f);                                    \
+        for (uint64_t i = 0; i < n; i++) {                                             \
+            _Pragma("GCC unroll 16") for (int k = 0; k < NC; k++) a[k] = FMA(a[k], b, c); \
+        }                                                                              \
+        T t = a[0];                                                                    \
+        _Pragma("GCC unroll 16") for (int k = 1; k < NC; k++) t = ADD(t, a[k]);        \
+        float f[16];                                                                   \
+        memcpy(f, &t, sizeof t);                                                       \
+        OUT = f[0];                                                                    \
+    } while (0)
+__attribute__((target("avx512f"))) static float shmkv_fma_avx512(uint64_t n) {
+    float r;
+    SHMKV_FMA_CHAINS(__m512, 16, _mm512_fmadd_ps, _mm512_set1_ps, _mm512_add_ps, r);
+    return r;
+}
+__attribute__((target("avx2,fma"))) static float shmkv_fma_avx2(uint64_t n) {
+    float r;
+    SHMKV_FMA_CHAINS(__m256, 12, _mm256_fmadd_ps, _mm256_set1_ps, _mm256_add_ps, r);
+    return r;
+}
+#endif
+
+static float shmkv_fma_scalar(uint64_t n) {
+    float a[16], r = 0;
+    for (int k = 0; k < 16; k++) a[k] = 1e-3f * (float)(k + 1);
+    for (uint64_t i = 0; i < n; i++)
+        for (int k = 0; k < 16; k++) a[k] = fmaf(a[k], 0.9999f, 1e-7f);
+    for (int k = 0; k < 16; k++) r += a[k];
+    return r;
+}
+
+static void shmkv_fma_task(void *ctx, uint32_t i, int tid) {
+    (void)tid;
+    shmkv_fma_job_t *j = ctx;
+#if SHMKV_HAVE_X86
+    if (j->isa >= SHMKV_ISA_AVX512) { j->sums[i] = shmkv_fma_avx512(j->n); return; }
+    if (j->isa == SHMKV_ISA_AVX2) { j->sums[i] = shmkv_fma_avx2(j->n); return; }
+#endif
+    j->sums[i] = shmkv_fma_scalar(j->n);
+}
+
+/* Runs one benchmark task per thread on `threads` threads of the pool (0: all, at most
+ * 256); returns the seconds it took, or -1 (no scratch).  *used: the threads it ran on. */
+static double shmkv_bench_run(shmkv_task_fn fn, void *job, int threads, int *used,
+                              void (*setup)(void *job, int t)) {
     pthread_once(&shmkv_att_once, shmkv_att_init);
     pthread_mutex_lock(&P.call_mu);
     double secs = -1;
     if (shmkv_pool_start() == 0) {
         int t = threads <= 0 || threads > P.wanted ? P.wanted : threads;
         if (t > 256) t = 256;
-        static shmkv_read_job_t j;
-        memset(&j, 0, sizeof j);
-        j.buf = buf;
-        j.n = n;
-        j.per = ((n + (uint64_t)t - 1) / (uint64_t)t + 4095) / 4096 * 4096;
+        setup(job, t);
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        shmkv_pool_run(shmkv_read_task, &j, (uint32_t)t, t);
+        shmkv_pool_run(fn, job, (uint32_t)t, t);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
-        uint64_t s = 0;
-        for (int i = 0; i < t; i++) s ^= j.sums[i];
-        if (sink) *sink = s;
+        *used = t;
     }
     pthread_mutex_unlock(&P.call_mu);
+    return secs;
+}
+
+static void shmkv_fma_setup(void *job, int t) {
+    (void)t;
+    ((shmkv_fma_job_t *)job)->isa = shmkv_attn_isa();
+}
+
+double shmkv_bench_fma(uint64_t n, int threads, double *sink) {
+    shmkv_fma_job_t j;
+    memset(&j, 0, sizeof j);
+    j.n = n;
+    int t = 0;
+    const double secs = shmkv_bench_run(shmkv_fma_task, &j, threads, &t, shmkv_fma_setup);
+    if (secs <= 0) return -1;
+    const int lanes = j.isa >= SHMKV_ISA_AVX512 ? 16 : j.isa == SHMKV_ISA_AVX2 ? 8 : 1;
+    const double chains = j.isa == SHMKV_ISA_AVX2 ? 12.0 : 16.0;
+    double s = 0;
+    for (int i = 0; i < t; i++) s += j.sums[i];
+    if (sink) *sink = s;
+    return (double)t * (double)n * chains * lanes / secs;
+}
+
+static void shmkv_read_setup(void *job, int t) {
+    shmkv_read_job_t *j = job;
+    j->per = ((j->n + (uint64_t)t - 1) / (uint64_t)t + 4095) / 4096 * 4096;
+}
+
+double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink) {
+    shmkv_read_job_t j;
+    memset(&j, 0, sizeof j);
+    j.buf = buf;
+    j.n = n;
+    int t = 0;
+    const double secs = shmkv_bench_run(shmkv_read_task, &j, threads, &t, shmkv_read_setup);
+    if (secs >= 0 && sink) {
+        uint64_t s = 0;
+        for (int i = 0; i < t; i++) s ^= j.sums[i];
+        *sink = s;
+    }
     return secs;
 }

@@ -64,6 +64,9 @@ int shmkv_attn_get_threads(void);
 int shmkv_attn_cpu_isa(void);          /* the best path this CPU runs */
 int shmkv_attn_isa(void);              /* the path in use */
 int shmkv_attn_force_isa(int isa);     /* -1 = back to the best; returns 0, or -1 if unsupported */
+/* 1: prefill rows on the row item only (the path before the GEMM item; for tests and
+ * benchmarks), 0: the GEMM item where it applies (the default) */
+int shmkv_attn_force_rows(int on);
 /* The pool the items run on: "openmp" when the process has a libgomp loaded (torch's: its
  * team runs them, see attention.c), else "own" (also in a fork() child and with
  * SHMKV_ATTN_POOL=own). */
@@ -72,5 +75,9 @@ const char *shmkv_attn_pool(void);
 /* The read floor: every byte of buf read once by `threads` threads (0 = the pool's).
  * Returns seconds; *sink receives a checksum so the reads cannot be optimised away. */
 double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink);
+/* The FMA peak: float32 lane-FMAs per second of `threads` threads (0 = the pool's), each
+ * running n rounds of independent FMAs from registers (16 chains of 16 lanes for
+ * avx512/amx, 12 of 8 for avx2, 16 scalar).  *sink receives the results' sum. */
+double shmkv_bench_fma(uint64_t n, int threads, double *sink);
 
 #endif

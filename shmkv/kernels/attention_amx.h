@@ -64,24 +64,6 @@ SHMKV_AMX_TGT static inline void shmkv_amx_split(__m512 x, __m256i *hi, __m256i 
     *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, shmkv_amx_bf2f(h)));
 }
 
-/* 2^x, exactly 0 where x == -inf (x <= SHMKV_AMX_SLACK2 here: no overflow).  The scores
- * are in log2 units (q carries log2(e)): 2^r on [-1/2, 1/2] by its degree-6 Taylor
- * polynomial (error ~1e-7), the integer part by vscalefps. */
-SHMKV_AMX_TGT static inline __m512 shmkv_amx_exp2(__m512 x0) {
-    const __m512 x = _mm512_max_ps(x0, _mm512_set1_ps(-127.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ),
-                                  p, n);
-}
-
 /* r[0..15] <- its transpose (16 x 16 floats) */
 SHMKV_AMX_TGT static inline void shmkv_amx_tr16(__m512 *r) {
     __m512 t[16];
@@ -195,9 +177,25 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                 }
                 rows[j] = ((size_t)blk * bs + t % bs) * tok + h * hstride;
             }
-            /* K [32][d] bf16 (hi, and lo for float16); V packed in key pairs:
-             * [16 pairs][d][2]; rows past nt are zeros */
+            /* K of a bfloat16 pool is loaded onto the tiles straight from the pool where
+             * a half step's 16 rows are evenly spaced (one block's rows: tok bytes apart),
+             * else packed; float16 K is split hi + lo, packed */
+            const uint8_t *kt[2];
+            long kts[2];
+            int kdir[2];
+            for (uint32_t half = 0; half < 2; half++) {
+                const uint32_t j0 = 16 * half;
+                int direct = !f16 && j0 + 16 <= nt;
+                for (uint32_t j = j0 + 1; direct && j < j0 + 16; j++)
+                    direct = rows[j] - rows[j - 1] == tok;
+                kt[half] = direct ? a->kpool + rows[j0] : (const uint8_t *)(khi + (size_t)j0 * d);
+                kts[half] = direct ? (long)tok : (long)hstride;
+                kdir[half] = direct;
+            }
+            /* K [32][d] bf16 (hi, and lo for float16) where not direct; V packed in key
+             * pairs: [16 pairs][d][2]; rows past nt are zeros */
             for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
+                if (kdir[j / 16]) continue;                     /* read from the pool */
                 uint16_t *kh = khi + (size_t)j * d, *kl = klo + (size_t)j * d;
                 if (j >= nt) {
                     memset(kh, 0, hstride);
@@ -265,7 +263,7 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                     const size_t qo = (size_t)q0 * d + (size_t)x * 16;
                     _tile_loadd(3, qhi + qo, 64);
                     _tile_loadd(4, qlo + qo, 64);
-                    _tile_loadd(2, khi + x, (long)hstride);
+                    _tile_loadd(2, kt[0] + 2 * x, kts[0]);
                     _tile_dpbf16ps(0, 2, 3);
                     _tile_dpbf16ps(0, 2, 4);
                     if (f16) {
@@ -273,7 +271,7 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                         _tile_dpbf16ps(0, 2, 3);
                     }
                     if (two) {
-                        _tile_loadd(2, khi + 16 * d + x, (long)hstride);
+                        _tile_loadd(2, kt[1] + 2 * x, kts[1]);
                         _tile_dpbf16ps(1, 2, 3);
                         _tile_dpbf16ps(1, 2, 4);
                         if (f16) {
@@ -311,12 +309,12 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                                                      _mm512_setzero_ps());
                 __m512 sum = _mm512_setzero_ps();
                 for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
-                    s[j] = shmkv_amx_exp2(_mm512_sub_ps(s[j], mu));
+                    s[j] = gexp2_avx512(_mm512_sub_ps(s[j], mu));
                     sum = _mm512_add_ps(sum, s[j]);
                 }
                 if (up) {                       /* some columns moved: rescale their O, l */
                     const __m512 al = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), up,
-                                                         shmkv_amx_exp2(_mm512_sub_ps(mo, mu)));
+                                                         gexp2_avx512(_mm512_sub_ps(mo, mu)));
                     _mm512_storeu_ps(l + q0, _mm512_fmadd_ps(_mm512_loadu_ps(l + q0), al, sum));
                     _mm512_storeu_ps(alpha, al);
                     for (uint32_t c = 0; c < 16; c++) {

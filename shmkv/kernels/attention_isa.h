@@ -455,6 +455,8 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
 #undef SHMKV_TILE_ROWS
 }
 
+#include "attention_gemm.h"
+
 #undef FN
 #undef SHMKV_NG_SWITCH
 #undef SHMKV_DT_SWITCH
