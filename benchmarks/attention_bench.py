@@ -230,19 +230,19 @@ def prefill_case(dtype, length, rows, reps, torch_reps, threads):
                "length": length, "rows": rows, "kv_bytes": case.kv_bytes}
         _attention.set_num_threads(threads)
         call = lambda: case.cache.attention(0, q, case.sids, q_lens=[rows], out=out)  # noqa
-        res["isa"] = _attention.isa()
+        isa = res["isa"] = _attention.isa()   # SHMKV_ATTN_ISA=avx2 measures the AVX2 items
         res["shmkv"] = med(call, reps)
-        if _attention.isa() == "amx":       # the same kernel with its FMA path (no tiles)
-            _attention._force_isa("avx512")
-            try:
-                res["shmkv_fma"] = med(call, max(3, reps // 3))
-            finally:
-                _attention._force_isa(None)
-        _attention._force_rows(True)        # the row item: the FMA path before issue 21
+        # the FMA paths of the same kernel: on an AMX machine forced to avx512 (the tiles
+        # would take float16/bfloat16 rows), the GEMM item, then the row item it replaced
+        fma_isa = res["fma_isa"] = "avx512" if isa == "amx" else isa
         try:
+            _attention._force_isa(fma_isa)
+            res["shmkv_fma"] = med(call, max(3, reps // 3))
+            _attention._force_rows(True)
             res["shmkv_rows"] = med(call, max(3, reps // 3))
         finally:
             _attention._force_rows(False)
+            _attention._force_isa(isa)
         res["floor"] = case.floor(reps)
         _attention.set_num_threads(1)
         res["shmkv_1t"] = med(call, max(3, reps // 3))
@@ -429,7 +429,7 @@ def prefill_table(results, rate):
     out = ["Prefill paths (ratios against the best torch SDPA variant of the same run; the "
            "FMA bound is the float32 FMA paths' dot-product bound, the AMX tiles' is far "
            "lower):", "",
-           "| case | dtype | shmkv (ISA) | FMA GEMM item (avx512) | row item (before) | "
+           "| case | dtype | shmkv (ISA) | FMA GEMM item | row item (before) | "
            "gather+SDPA stored | gather+SDPA fp32 | FMA bound | shmkv / FMA bound | "
            "shmkv / best torch | target ≤ 1.0× |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -440,7 +440,8 @@ def prefill_table(results, rate):
         x = ms(r, "shmkv") / ms(r, bt) if bt else float("nan")
         fb = fma_ms(r, rate)
         out.append(f"| {r['case']} | {r['dtype']} | {ms(r, 'shmkv'):.1f} ms ({r.get('isa')}) | "
-                   f"{ms(r, 'shmkv_fma'):.1f} ms | {ms(r, 'shmkv_rows'):.1f} ms | "
+                   f"{ms(r, 'shmkv_fma'):.1f} ms ({r.get('fma_isa')}) | "
+                   f"{ms(r, 'shmkv_rows'):.1f} ms | "
                    f"{ms(r, 'torch_stored'):.1f} ms | {ms(r, 'torch_fp32'):.1f} ms | "
                    f"{fb:.1f} ms | {ms(r, 'shmkv') / fb:.2f}× | {x:.2f}× | "
                    f"{'PASS' if x <= 1.0 else 'FAIL'} |")
