@@ -124,15 +124,16 @@ def _force_isa(name):
 def _force_rows(on):
     """Test and benchmark hook: True runs prefill rows on the row item only (the kernel
     before the GEMM-shaped item, issue 21); False (the default) takes the GEMM item where
-    it applies: a vector ISA, several rows, at least 8 query vectors per kv head, and no
+    it applies: a vector ISA, several rows, at least 32 query vectors per kv head, and no
     AMX tile path for the pool."""
     shmkv_attn_force_rows(1 if on else 0)
 
 
 def bench_fma(threads=None, rounds=20_000_000):
     """The dot-product bound's rate: float32 multiply-adds per second (lanes counted) on
-    ``threads`` threads of the kernel's pool (default: all), each running ``rounds`` x 16
-    independent FMAs from registers in the vector width of the path in use (isa())."""
+    ``threads`` threads of the kernel's pool (default: all), each running ``rounds`` rounds
+    of independent FMA chains from registers (16 of 16 lanes for avx512/amx, 12 of 8 for
+    avx2, 16 scalar: the width of the path in use, isa())."""
     tp = 0 if threads is None else operator.index(threads)
     rp = operator.index(rounds)
     if tp < 0 or tp > 1024:

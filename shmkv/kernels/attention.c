@@ -106,6 +106,30 @@ static inline int shmkv_att_block(const shmkv_attn_args_t *a, const int32_t *tab
     return 0;
 }
 
+/* The pool slots (block * block_size + offset) of keys [t0, t0 + n) of a sequence, each
+ * block id read once from shared memory and checked.  0, or -1 on a corrupt id. */
+static inline int shmkv_att_slots(const shmkv_attn_args_t *a, const int32_t *table, uint32_t t0,
+                                  uint32_t n, size_t *slot) {
+    const uint32_t bs = a->block_size;
+    uint32_t cur = UINT32_MAX, blk = 0;
+    for (uint32_t j = 0; j < n; j++) {
+        const uint32_t t = t0 + j, bi = t / bs;
+        if (bi != cur) {
+            if (shmkv_att_block(a, table, bi, &blk)) return -1;
+            cur = bi;
+        }
+        slot[j] = (size_t)blk * bs + t % bs;
+    }
+    return 0;
+}
+
+/* Prefill rows of this pool go to the AMX tiles under this ISA (float16/bfloat16 pools,
+ * head_dim a multiple of 32); the item then needs nrows > 1 as well. */
+static inline int shmkv_att_tiles(const shmkv_attn_args_t *a, int isa) {
+    return isa >= SHMKV_ISA_AMX && a->d % 32 == 0 &&
+           (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16);
+}
+
 /* Offset, in elements, of query/output vector (row r, kv head h, group member g) of an item,
  * and the item-local index of that vector: v = (h * nrows + r) * G + g (grouped by kv head). */
 static inline uint64_t shmkv_att_qoff(const shmkv_attn_args_t *a, const shmkv_item_t *it,
@@ -185,7 +209,7 @@ typedef size_t (*shmkv_gemm_scratch_fn)(uint32_t, uint32_t);
  * than the row item's horizontal sums (measured: 4 rows x 4 heads 1.4x the row item's
  * time, 8 x 4 0.9x, on AVX-512 and AVX2 alike) */
 #define GEMM_MIN_QV 32
-static int shmkv_att_gemm_off;  /* _attention._force_prefill("rows"): the row item always */
+static int shmkv_att_gemm_off;  /* _attention._force_rows(True): the row item always */
 
 static int shmkv_att_isa_forced = -1;
 
@@ -555,8 +579,7 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     const shmkv_item_t *it = &j->items[i];
     const uint32_t G = a->hq / a->hkv, nqv = it->nrows * a->hq, d = a->d;
     /* prefill rows of a float16/bfloat16 pool go to the tiles where the CPU has them */
-    const int amx = SHMKV_HAVE_X86 && shmkv_att_isa_now >= SHMKV_ISA_AMX && it->nrows > 1 &&
-                    d % 32 == 0 && (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16);
+    const int amx = SHMKV_HAVE_X86 && it->nrows > 1 && shmkv_att_tiles(a, shmkv_att_isa_now);
     /* other prefill rows, enough query vectors to fill the lanes: the GEMM-shaped item */
     const int gemm = !amx && shmkv_att_gemm != NULL && it->nrows > 1 && it->nrows * G >= GEMM_MIN_QV;
     /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] (then the tiles' own) */
@@ -671,9 +694,7 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
      * items (a step's K/V rows, read and converted once, serve more query vectors: a 4k
      * float32 context is 4 MiB per kv head, read once per item; 512 rows into 4k took
      * 1.3x the time with 32 query vectors per head, 1.04x with 128, against 256) */
-    const int amx_call = shmkv_att_isa_now >= SHMKV_ISA_AMX && a->d % 32 == 0 &&
-                         (a->kv_dtype == SHMKV_ATT_F16 || a->kv_dtype == SHMKV_ATT_BF16);
-    const uint32_t qvmax = amx_call ? 4 * QV_MAX : shmkv_att_gemm != NULL ? 8 * QV_MAX : QV_MAX;
+    const uint32_t qvmax = shmkv_att_tiles(a, shmkv_att_isa_now) ? 4 * QV_MAX : shmkv_att_gemm != NULL ? 8 * QV_MAX : QV_MAX;
     const uint32_t rt = G >= qvmax ? 1 : qvmax / G;
 
     /* the base items: (seq, row tile), every head; the work is the keys each reads */

@@ -110,7 +110,7 @@ static size_t shmkv_amx_scratch(uint32_t nqh, uint32_t d) {
  * shmkv_att_item_*: acc [nqv][d], m [nqv], l [nqv] after it; 0 or -1 (corrupt block id). */
 SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const shmkv_item_t *it,
                                             float *qf, float *acc, uint32_t nqv, float *xs) {
-    const uint32_t d = a->d, G = a->hq / a->hkv, bs = a->block_size, nqh = it->nrows * G;
+    const uint32_t d = a->d, G = a->hq / a->hkv, nqh = it->nrows * G;
     const uint32_t nqt = (nqh + 15) / 16, nq = nqt * 16;
     const int dt = a->kv_dtype, f16 = dt == SHMKV_ATT_F16;
     float *m_out = acc + (size_t)nqv * d, *l_out = m_out + nqv;
@@ -168,15 +168,8 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
         for (uint32_t ts = it->t0; ts < it->t1; ts += SHMKV_AMX_KS) {
             const uint32_t nt = it->t1 - ts < SHMKV_AMX_KS ? it->t1 - ts : SHMKV_AMX_KS;
             /* the step's rows of this head; block ids read once and checked */
-            uint32_t cur = UINT32_MAX, blk = 0;
-            for (uint32_t j = 0; j < nt; j++) {
-                const uint32_t t = ts + j, bi = t / bs;
-                if (bi != cur) {
-                    if (shmkv_att_block(a, table, bi, &blk)) { rc = -1; goto done; }
-                    cur = bi;
-                }
-                rows[j] = ((size_t)blk * bs + t % bs) * tok + h * hstride;
-            }
+            if (shmkv_att_slots(a, table, ts, nt, rows)) { rc = -1; goto done; }
+            for (uint32_t j = 0; j < nt; j++) rows[j] = rows[j] * tok + h * hstride;
             /* K of a bfloat16 pool is loaded onto the tiles straight from the pool where
              * a half step's 16 rows are evenly spaced (one block's rows: tok bytes apart),
              * else packed; float16 K is split hi + lo, packed */

@@ -160,7 +160,7 @@ static size_t FN(shmkv_gemm_scratch)(uint32_t nqh, uint32_t d) {
  * block id. */
 static int FN(shmkv_att_item_gemm)(const shmkv_attn_args_t *a, const shmkv_item_t *it,
                                    float *qf, float *acc, uint32_t nqv, float *xs) {
-    const uint32_t d = a->d, G = a->hq / a->hkv, bs = a->block_size, nqh = it->nrows * G;
+    const uint32_t d = a->d, G = a->hq / a->hkv, nqh = it->nrows * G;
     const uint32_t nqb = (nqh + GQB - 1) / GQB, nq = nqb * GQB;
     const int dt = a->kv_dtype;
     const size_t esz = SHMKV_ESZ(dt);
@@ -183,19 +183,6 @@ static int FN(shmkv_att_item_gemm)(const shmkv_attn_args_t *a, const shmkv_item_
         const uint32_t r = v < nqh ? v / G : it->nrows - 1;   /* padding: the last row */
         lim[v] = (int32_t)(first + r + 1);
     }
-    /* the slots of step ts into slot[w]; block ids read once and checked */
-#define SHMKV_GEMM_SLOTS(ts_, w_, nt_)                                                 \
-    do {                                                                               \
-        uint32_t cur = UINT32_MAX, blk = 0;                                            \
-        for (uint32_t j = 0; j < (nt_); j++) {                                         \
-            const uint32_t t = (ts_) + j, bi = t / bs;                                 \
-            if (bi != cur) {                                                           \
-                if (shmkv_att_block(a, table, bi, &blk)) return -1;                    \
-                cur = bi;                                                              \
-            }                                                                          \
-            slot[w_][j] = (size_t)blk * bs + t % bs;                                   \
-        }                                                                              \
-    } while (0)
     const uint32_t tlast = it->t1 < tend ? it->t1 : tend;  /* keys past it: no row sees */
     for (uint32_t h = 0; h < a->hkv; h++) {
         /* Q^T of this head, blocked [nqb][d][GQB], padding lanes 0 */
@@ -213,13 +200,16 @@ static int FN(shmkv_att_item_gemm)(const shmkv_attn_args_t *a, const shmkv_item_
         for (uint32_t v = 0; v < nq; v++) { m[v] = -INFINITY; l[v] = 0; }
         memset(O, 0, (size_t)nq * d * sizeof(float));
         int w = 0;
-        if (it->t0 < tlast)
-            SHMKV_GEMM_SLOTS(it->t0, 0, (tlast - it->t0 < SHMKV_GTK ? tlast - it->t0 : SHMKV_GTK));
+        /* the slots of a step into slot[w]; block ids read once and checked */
+        if (it->t0 < tlast &&
+            shmkv_att_slots(a, table, it->t0, tlast - it->t0 < SHMKV_GTK ? tlast - it->t0 : SHMKV_GTK,
+                            slot[0]))
+            return -1;
         for (uint32_t ts = it->t0; ts < tlast; ts += SHMKV_GTK, w ^= 1) {
             const uint32_t nt = tlast - ts < SHMKV_GTK ? tlast - ts : SHMKV_GTK;
             const uint32_t tn = ts + SHMKV_GTK;
             const uint32_t nn = tn >= tlast ? 0 : (tlast - tn < SHMKV_GTK ? tlast - tn : SHMKV_GTK);
-            if (nn) SHMKV_GEMM_SLOTS(tn, w ^ 1, nn);
+            if (nn && shmkv_att_slots(a, table, tn, nn, slot[w ^ 1])) return -1;
             /* the step's rows as contiguous float32 (converted; quantized: times their
              * scale).  float32 is copied too: one head's rows in the pool are tok bytes
              * apart, so a step's rows share their L1 sets and each sits on its own page;
@@ -304,7 +294,6 @@ static int FN(shmkv_att_item_gemm)(const shmkv_attn_args_t *a, const shmkv_item_
         }
     }
     return 0;
-#undef SHMKV_GEMM_SLOTS
 }
 
 #undef VI

@@ -353,7 +353,7 @@ static void FN(vacc)(float *acc, uint32_t ng, const float *alpha, const float *p
  * and l [nqv].  Returns 0, or -1 on a corrupt block id. */
 static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf,
                               float *acc, uint32_t nqv) {
-    const uint32_t d = a->d, G = a->hq / a->hkv, bs = a->block_size, nqh = it->nrows * G;
+    const uint32_t d = a->d, G = a->hq / a->hkv, nqh = it->nrows * G;
     const int dt = a->kv_dtype;
     float *m = acc + (size_t)nqv * d, *l = m + nqv;
     const uint32_t L = a->seq_lens[it->seq], ql = a->q_lens[it->seq];
@@ -370,17 +370,10 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
     /* the row addresses of tile ts into kb[w], vb[w]; block ids read once and checked */
 #define SHMKV_TILE_ROWS(ts_, w_, nt_)                                                  \
     do {                                                                               \
-        uint32_t cur = UINT32_MAX, blk = 0;                                            \
+        if (shmkv_att_slots(a, table, (ts_), (nt_), slot[w_])) return -1;              \
         for (uint32_t j = 0; j < (nt_); j++) {                                         \
-            const uint32_t t = (ts_) + j, bi = t / bs;                                 \
-            if (bi != cur) {                                                           \
-                if (shmkv_att_block(a, table, bi, &blk)) return -1;                    \
-                cur = bi;                                                              \
-            }                                                                          \
-            const size_t off = ((size_t)blk * bs + t % bs) * tok;                      \
-            kb[w_][j] = a->kpool + off;                                                \
-            slot[w_][j] = (size_t)blk * bs + t % bs;                                   \
-            vb[w_][j] = a->vpool + off;                                                \
+            kb[w_][j] = a->kpool + slot[w_][j] * tok;                                  \
+            vb[w_][j] = a->vpool + slot[w_][j] * tok;                                  \
         }                                                                              \
     } while (0)
     int w = 0;
