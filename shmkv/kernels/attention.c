@@ -139,8 +139,10 @@ static inline uint64_t shmkv_att_qoff(const shmkv_attn_args_t *a, const shmkv_it
 }
 #define SHMKV_ATT_V(it, G, h, r, g) (((h) * (it)->nrows + (r)) * (G) + (g))
 
-/* Converts and pre-scales the item's query vectors into qf [nqv][d]. */
-static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf) {
+/* Converts the item's query vectors into qf [nqv][d], times qscale (the FMA items take them
+ * pre-scaled; the tiles scale the scores instead). */
+static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf,
+                             float qscale) {
     const uint32_t G = a->hq / a->hkv, d = a->d;
     const size_t esz = a->q_dtype == SHMKV_ATT_F32 ? 4 : 2;
     for (uint32_t h = 0; h < a->hkv; h++)
@@ -149,7 +151,7 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
                 const uint8_t *src = (const uint8_t *)a->q + shmkv_att_qoff(a, it, h, r, g) * esz;
                 float *dst = qf + (size_t)SHMKV_ATT_V(it, G, h, r, g) * d;
                 for (uint32_t i = 0; i < d; i++)
-                    dst[i] = shmkv_load_elem(src, a->q_dtype, i) * a->scale;
+                    dst[i] = shmkv_load_elem(src, a->q_dtype, i) * qscale;
             }
 }
 
@@ -585,7 +587,7 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] (then the tiles' own) */
     const size_t base = ((size_t)nqv * (2 * d + 2) + 64 + 15) / 16 * 16;
 #if SHMKV_HAVE_X86
-    const size_t extra = amx ? shmkv_amx_scratch(it->nrows * G, d)
+    const size_t extra = amx ? shmkv_amx_scratch(it->nrows * G, d, a->hkv)
                        : gemm ? shmkv_att_gemm_scratch(it->nrows * G, d) : 0;
 #else
     const size_t extra = gemm ? shmkv_att_gemm_scratch(it->nrows * G, d) : 0;
@@ -593,7 +595,7 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     float *s = shmkv_scratch_get(tid, base + extra);
     if (s == NULL) { j->err = SHMKV_ATT_ENOMEM; return; }
     float *qf = s, *acc = s + (size_t)nqv * d, *m = acc + (size_t)nqv * d, *l = m + nqv;
-    shmkv_att_load_q(a, it, qf);
+    shmkv_att_load_q(a, it, qf, amx ? 1.0f : a->scale);
 #if SHMKV_HAVE_X86
     const int rc = amx ? shmkv_att_item_amx(a, it, qf, acc, nqv, s + base)
                  : gemm ? shmkv_att_gemm(a, it, qf, acc, nqv, s + base)
@@ -690,11 +692,13 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     shmkv_att_fn = shmkv_att_pick(a->d);
     shmkv_att_gemm = shmkv_att_pick_gemm(a->d, &shmkv_att_gemm_scratch);
     shmkv_att_isa_now = shmkv_attn_isa();
-    /* query rows per item; four times as many on the tiles, eight times on the GEMM
-     * items (a step's K/V rows, read and converted once, serve more query vectors: a 4k
-     * float32 context is 4 MiB per kv head, read once per item; 512 rows into 4k took
-     * 1.3x the time with 32 query vectors per head, 1.04x with 128, against 256) */
-    const uint32_t qvmax = shmkv_att_tiles(a, shmkv_att_isa_now) ? 4 * QV_MAX : shmkv_att_gemm != NULL ? 8 * QV_MAX : QV_MAX;
+    /* query rows per item; eight times as many on the GEMM items and the tiles (a step's
+     * K/V rows, read and converted once, serve more query vectors: a 4k float32 context is
+     * 4 MiB per kv head, read once per item; 512 rows into 4k took 1.3x the time with 32
+     * query vectors per head, 1.04x with 128, against 256; bf16 on the tiles 1.2x with 128,
+     * 1.15x with 512) */
+    const uint32_t qvmax = shmkv_att_gemm != NULL || shmkv_att_tiles(a, shmkv_att_isa_now)
+                         ? 8 * QV_MAX : QV_MAX;
     const uint32_t rt = G >= qvmax ? 1 : qvmax / G;
 
     /* the base items: (seq, row tile), every head; the work is the keys each reads */

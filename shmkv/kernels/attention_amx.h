@@ -7,16 +7,20 @@
  * One item = some query rows of one sequence over keys [t0, t1), every head (see attention.c).
  * Per kv head, the item's query vectors of that head (rows x group members, padded to tiles
  * of 16) meet the keys 32 at a time, as two small GEMMs on the tile unit:
- *   S^T [32 keys][16 q] = K [32][d] . Q^T     (K rows straight from a packed copy, Q^T packed
- *                                              once per head in the pairs layout AMX wants)
+ *   S^T [32 keys][16 q] = K [32][d] . Q^T     (K rows from the pool or a packed copy, Q^T
+ *                                              packed once per head in the pairs layout AMX
+ *                                              wants; two tiles of query vectors at once,
+ *                                              four accumulations in flight)
  *   online softmax down the columns (one vector op per key: 16 query vectors at once; the
  *   causal mask only where the step crosses a row's last key)
  *   O [16 q][d] += P [16][32] . V [32][d]     (P transposed from S^T, V packed in pairs; O
  *                                              rescaled only when a column's max moves)
- * Scores are in log2 units (q times log2(e)), so the softmax is 2^x; m goes out in e units.
+ * Scores are q.k times scale * log2(e) (applied to S, so q goes to the tiles as given), in
+ * log2 units, so the softmax is 2^x; m goes out in e units.
  * Precision: AMX multiplies bf16.  Where an operand is not exactly bf16 it is split, x = hi +
- * lo with hi = bf16(x), lo = bf16(x - hi), and the products hi.hi + hi.lo + lo.hi summed in
- * fp32 -- q and P always (fp32: 16 significant bits kept, ~2^-17 relative), K and V of a
+ * lo with hi = bf16(x), lo = bf16(x - hi) (both rounded), and the products hi.hi + hi.lo +
+ * lo.hi summed in fp32: q where any value of the head is not bf16 (a bf16 model's q is, and
+ * skips its lo products), P always (16 significant bits kept, ~2^-17 relative), K and V of a
  * float16 pool (11 bits: hi + lo is exact).  bf16 pools are exact as stored.  So the result
  * is within fp32-accumulation error of the float64 reference, like the FMA paths.
  */
@@ -56,8 +60,7 @@ SHMKV_AMX_TGT static inline __m512 shmkv_amx_bf2f(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* hi and lo bf16 halves of 16 floats (hi rounded; P's are split by truncation instead: the
- * same 16 bits kept, fewer instructions) */
+/* hi and lo bf16 halves of 16 floats, both rounded */
 SHMKV_AMX_TGT static inline void shmkv_amx_split(__m512 x, __m256i *hi, __m256i *lo) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
     *hi = h;
@@ -65,7 +68,7 @@ SHMKV_AMX_TGT static inline void shmkv_amx_split(__m512 x, __m256i *hi, __m256i 
 }
 
 /* r[0..15] <- its transpose (16 x 16 floats) */
-SHMKV_AMX_TGT static inline void shmkv_amx_tr16(__m512 *r) {
+SHMKV_AMX_TGT static inline __attribute__((always_inline)) void shmkv_amx_tr16(__m512 *r) {
     __m512 t[16];
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
@@ -97,17 +100,127 @@ SHMKV_AMX_TGT static inline __m512 shmkv_amx_ld(const uint8_t *p, int dt) {
     return dt == SHMKV_ATT_F16 ? _mm512_cvtph_ps(x) : shmkv_amx_bf2f(x);
 }
 
+#define SHMKV_AMX_KC 256               /* keys per chunk: every head of a group meets them
+                                          before the next chunk (see the item) */
+#define SHMKV_AMX_STATE (1u << 20)     /* bytes of per-head state a head group may keep */
+
+/* Heads per group: as many as keep their state (Q^T hi + lo, O, m, l) in SHMKV_AMX_STATE. */
+static uint32_t shmkv_amx_heads(uint32_t nqh, uint32_t d, uint32_t hkv) {
+    const size_t nq = ((size_t)nqh + 15) / 16 * 16, per = nq * d * 8 + nq * 8;
+    const size_t hg = SHMKV_AMX_STATE / per;
+    return hg < 1 ? 1 : hg > hkv ? hkv : (uint32_t)hg;
+}
+
 /* Scratch floats the AMX item needs beyond the FMA item's, for nqh query vectors per head. */
-static size_t shmkv_amx_scratch(uint32_t nqh, uint32_t d) {
-    const size_t nq = ((size_t)nqh + 15) / 16 * 16;
-    return 2 * nq * d / 2                 /* Q^T hi, lo: bf16, as floats */
+static size_t shmkv_amx_scratch(uint32_t nqh, uint32_t d, uint32_t hkv) {
+    const size_t nq = ((size_t)nqh + 15) / 16 * 16, hg = shmkv_amx_heads(nqh, d, hkv);
+    return hg * (2 * nq * d / 2           /* per head: Q^T hi, lo (bf16, as floats) */
+                 + nq * d + 2 * nq)       /*           O, m, l */
          + 4 * SHMKV_AMX_KS * (size_t)d / 2   /* K hi, lo; V hi, lo packed */
-         + SHMKV_AMX_KS * 16 + 16 * 32 + 16 * 16   /* S^T, P hi+lo, spare */
-         + nq * d + 4 * nq + 64;          /* O, m, l, alpha, lim */
+         + 2 * SHMKV_AMX_KS * 16 + 16 * 32 + 16 * 16   /* S^T of two tiles, P hi+lo, spare */
+         + 2 * nq + 64;                   /* alpha, lim */
+}
+
+/* The step's online softmax and O += P.V for the 16 query vectors at q0, from their scores
+ * st = S^T [32 keys][16 q] (raw q.k: times sc makes log2 units).  Tiles 6, 7 take P hi, lo;
+ * O goes through tiles 5 and 0 and V through 2 and 4 (float16's V lo: 1 and 3), two
+ * independent accumulations in flight: a tile's dot products are latency-bound alone. */
+SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint32_t ts, uint32_t nt,
+                                              __m512 sc, const int32_t *lim, float *O, float *m,
+                                              float *l, float *alpha, uint16_t *phi, uint16_t *plo,
+                                              const uint16_t *vhi, const uint16_t *vlo, uint32_t d,
+                                              int f16) {
+    __m512 s[SHMKV_AMX_KS];
+    const __m512i limv = _mm512_loadu_si512(lim + q0);
+    const int full = (int64_t)ts + nt <= lim[q0];      /* lim grows with the vector index */
+    __m512 mt = _mm512_set1_ps(-INFINITY);
+    for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
+        if (j >= nt) { s[j] = _mm512_set1_ps(-INFINITY); continue; }
+        s[j] = _mm512_mul_ps(_mm512_loadu_ps(st + 16 * j), sc);
+        if (!full)                                     /* the causal diagonal */
+            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
+                                      _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(ts + j))),
+                                      s[j]);
+        mt = _mm512_max_ps(mt, s[j]);
+    }
+    /* lazy rescaling: a column's reference max moves only when a score passes it by more
+     * than SHMKV_AMX_SLACK2 (or on its first visible key), so most steps have alpha == 1
+     * and accumulate straight into O on the tiles; p = 2^(s - m) <= 2^SLACK2 stays far from
+     * fp32's range */
+    const __m512 mo = _mm512_loadu_ps(m + q0), ninf = _mm512_set1_ps(-INFINITY);
+    const __mmask16 up = _mm512_cmp_ps_mask(
+        mt, _mm512_add_ps(mo, _mm512_set1_ps(SHMKV_AMX_SLACK2)), _CMP_GT_OQ);
+    const __m512 mn = _mm512_mask_max_ps(mo, up, mo, mt);
+    /* -inf - -inf: a column with nothing visible yet subtracts 0 instead */
+    const __m512 mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ),
+                                         _mm512_setzero_ps());
+    __m512 sum = _mm512_setzero_ps();
+    for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
+        s[j] = gexp2_avx512(_mm512_sub_ps(s[j], mu));
+        sum = _mm512_add_ps(sum, s[j]);
+    }
+    if (up) {                       /* some columns moved: rescale their O, l */
+        const __m512 al = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), up,
+                                             gexp2_avx512(_mm512_sub_ps(mo, mu)));
+        _mm512_storeu_ps(l + q0, _mm512_fmadd_ps(_mm512_loadu_ps(l + q0), al, sum));
+        _mm512_storeu_ps(alpha, al);
+        for (uint32_t c = 0; c < 16; c++) {
+            if (!(up >> c & 1)) continue;
+            const __m512 ac = _mm512_set1_ps(alpha[c]);
+            float *o = O + (size_t)(q0 + c) * d;
+            for (uint32_t x = 0; x < d; x += 16)
+                _mm512_storeu_ps(o + x, _mm512_mul_ps(_mm512_loadu_ps(o + x), ac));
+        }
+    } else {
+        _mm512_storeu_ps(l + q0, _mm512_add_ps(_mm512_loadu_ps(l + q0), sum));
+    }
+    _mm512_storeu_ps(m + q0, mn);
+    /* P [16 q][32 keys] = (S^T)^T, split hi + lo (hi rounded: lo is then at most 2^-9 of
+     * p, and the products left out, P lo . V lo of a float16 pool, at most 2^-18) */
+    shmkv_amx_tr16(s);
+    shmkv_amx_tr16(s + 16);
+    for (uint32_t c = 0; c < 16; c++) {
+        const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(s[16 + c], s[c]);
+        const __m512 h0 = shmkv_amx_bf2f(_mm512_castsi512_si256(hi));
+        const __m512 h1 = shmkv_amx_bf2f(_mm512_extracti64x4_epi64(hi, 1));
+        _mm512_storeu_si512(phi + 32 * c, hi);
+        _mm512_storeu_si512(plo + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(
+            _mm512_sub_ps(s[16 + c], h1), _mm512_sub_ps(s[c], h0)));
+    }
+    /* O += P . V, 32 columns of d at a time in two accumulations */
+    const long vs = (long)(4 * d);
+    _tile_loadd(6, phi, 64);
+    _tile_loadd(7, plo, 64);
+    for (uint32_t x = 0; x < d; x += 32) {
+        float *o0 = O + (size_t)q0 * d + x, *o1 = o0 + 16;
+        _tile_loadd(5, o0, vs);
+        _tile_loadd(0, o1, vs);
+        _tile_loadd(2, vhi + 2 * x, vs);
+        _tile_loadd(4, vhi + 2 * x + 32, vs);
+        _tile_dpbf16ps(5, 6, 2);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_dpbf16ps(5, 7, 2);
+        _tile_dpbf16ps(0, 7, 4);
+        if (f16) {
+            _tile_loadd(1, vlo + 2 * x, vs);
+            _tile_loadd(3, vlo + 2 * x + 32, vs);
+            _tile_dpbf16ps(5, 6, 1);
+            _tile_dpbf16ps(0, 6, 3);
+        }
+        _tile_stored(5, o0, vs);
+        _tile_stored(0, o1, vs);
+    }
 }
 
 /* The item on tiles (kv dtype F16 or BF16, d % 32 == 0, d <= 512).  Same contract as
- * shmkv_att_item_*: acc [nqv][d], m [nqv], l [nqv] after it; 0 or -1 (corrupt block id). */
+ * shmkv_att_item_*, except that qf comes unscaled (the scale is applied to the scores, so a
+ * q that is exactly bf16 -- a bf16 model's -- needs no lo half): acc [nqv][d], m [nqv],
+ * l [nqv] after it; 0 or -1 (corrupt block id).
+ * Loop order: head groups, then chunks of SHMKV_AMX_KC keys, then the group's heads, then
+ * 32-key steps.  One head's rows are tok bytes apart, two or three to a page, so a 4k
+ * context's K and V span thousands of pages: more than the TLB holds, and with the heads
+ * outermost every head's pass walked the page tables again (the prefetches stalled on it,
+ * 15% of the item).  A chunk's pages are walked once for the whole group. */
 SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const shmkv_item_t *it,
                                             float *qf, float *acc, uint32_t nqv, float *xs) {
     const uint32_t d = a->d, G = a->hq / a->hkv, nqh = it->nrows * G;
@@ -116,17 +229,24 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
     float *m_out = acc + (size_t)nqv * d, *l_out = m_out + nqv;
     const uint32_t L = a->seq_lens[it->seq], ql = a->q_lens[it->seq];
     const uint32_t first = L - ql + it->row0;
+    const uint32_t tend = first + it->nrows;                /* keys the last row sees */
+    const uint32_t tlast = it->t1 < tend ? it->t1 : tend;
     const int32_t *table = a->tables[it->seq];
     const size_t tok = (size_t)a->hkv * d * 2, hstride = (size_t)d * 2;
-    /* scratch, 64-byte pieces */
-    uint16_t *qhi = (uint16_t *)xs, *qlo = qhi + (size_t)nq * d;
-    uint16_t *khi = qlo + (size_t)nq * d, *klo = khi + SHMKV_AMX_KS * d;
+    const __m512 sc = _mm512_set1_ps(a->scale * 1.44269504088896f);   /* to log2 units */
+    const uint32_t HG = shmkv_amx_heads(nqh, d, a->hkv);
+    const size_t qsz = (size_t)nq * d;
+    /* scratch, 64-byte pieces: per head of a group Q^T hi, lo [2][nq * d] bf16, O, m, l */
+    uint16_t *Qs = (uint16_t *)xs;
+    float *Os = (float *)(Qs + 2 * HG * qsz), *ms = Os + HG * qsz, *ls = ms + (size_t)HG * nq;
+    uint16_t *khi = (uint16_t *)(ls + (size_t)HG * nq), *klo = khi + SHMKV_AMX_KS * d;
     uint16_t *vhi = klo + SHMKV_AMX_KS * d, *vlo = vhi + SHMKV_AMX_KS * d;
-    float *st = (float *)(vlo + SHMKV_AMX_KS * d);      /* S^T [32][16] */
-    uint16_t *phi = (uint16_t *)(st + SHMKV_AMX_KS * 16), *plo = phi + 16 * 32;
-    float *O = (float *)(plo + 16 * 32) + 256, *m = O + (size_t)nq * d, *l = m + nq, *alpha = l + nq;
+    float *st = (float *)(vlo + SHMKV_AMX_KS * d);      /* S^T [2 tiles][32][16] */
+    uint16_t *phi = (uint16_t *)(st + 2 * SHMKV_AMX_KS * 16), *plo = phi + 16 * 32;
+    float *alpha = (float *)(plo + 16 * 32) + 256;
     int32_t *lim = (int32_t *)(alpha + nq);
-    size_t rows[SHMKV_AMX_KS];               /* the step's row offsets in the pools */
+    size_t cs[2][SHMKV_AMX_KC], rows[SHMKV_AMX_KS];     /* a chunk's slots; a step's rows */
+    uint8_t qlo_on[SHMKV_AMX_STATE / 4096];             /* per head: q has a lo half */
 
     shmkv_tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -138,223 +258,219 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
         const uint32_t r = v < nqh ? v / G : it->nrows - 1;   /* padding: any valid row */
         lim[v] = (int32_t)(first + r + 1);
     }
+    const __m512i ilv = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                         41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+                                         35, 3, 34, 2, 33, 1, 32, 0);
     int rc = 0;
-    for (uint32_t h = 0; h < a->hkv; h++) {
-        /* Q^T of this head in the pairs layout [tile][d/2][16 q][2], split hi + lo: per
-         * tile and 32 dims, 16 rows of 16 dim pairs (one dword each) transposed */
-        for (uint32_t q0 = 0; q0 < nq; q0 += 16)
-            for (uint32_t x = 0; x < d; x += 32) {
-                __m512 rh[16], rl[16];
-                for (uint32_t c = 0; c < 16; c++) {
-                    if (q0 + c >= nqh) { rh[c] = rl[c] = _mm512_setzero_ps(); continue; }
-                    const float *q = qf + ((size_t)h * nqh + q0 + c) * d + x;
-                    const __m512 lg = _mm512_set1_ps(1.44269504088896f);   /* log2(e) */
-                    __m256i h0, l0, h1, l1;
-                    shmkv_amx_split(_mm512_mul_ps(_mm512_loadu_ps(q), lg), &h0, &l0);
-                    shmkv_amx_split(_mm512_mul_ps(_mm512_loadu_ps(q + 16), lg), &h1, &l1);
-                    rh[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
-                    rl[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1));
-                }
-                shmkv_amx_tr16(rh);
-                shmkv_amx_tr16(rl);
-                const size_t o = (size_t)q0 * d + (size_t)x * 16;   /* 16 rows of 32 bf16 */
-                for (uint32_t i = 0; i < 16; i++) {
-                    _mm512_storeu_ps((float *)(qhi + o + 32 * i), rh[i]);
-                    _mm512_storeu_ps((float *)(qlo + o + 32 * i), rl[i]);
-                }
-            }
-        for (uint32_t v = 0; v < nq; v++) { m[v] = -INFINITY; l[v] = 0; }
-        memset(O, 0, (size_t)nq * d * sizeof(float));
-        for (uint32_t ts = it->t0; ts < it->t1; ts += SHMKV_AMX_KS) {
-            const uint32_t nt = it->t1 - ts < SHMKV_AMX_KS ? it->t1 - ts : SHMKV_AMX_KS;
-            /* the step's rows of this head; block ids read once and checked */
-            if (shmkv_att_slots(a, table, ts, nt, rows)) { rc = -1; goto done; }
-            for (uint32_t j = 0; j < nt; j++) rows[j] = rows[j] * tok + h * hstride;
-            /* K of a bfloat16 pool is loaded onto the tiles straight from the pool where
-             * a half step's 16 rows are evenly spaced (one block's rows: tok bytes apart),
-             * else packed; float16 K is split hi + lo, packed */
-            const uint8_t *kt[2];
-            long kts[2];
-            int kdir[2];
-            for (uint32_t half = 0; half < 2; half++) {
-                const uint32_t j0 = 16 * half;
-                int direct = !f16 && j0 + 16 <= nt;
-                for (uint32_t j = j0 + 1; direct && j < j0 + 16; j++)
-                    direct = rows[j] - rows[j - 1] == tok;
-                kt[half] = direct ? a->kpool + rows[j0] : (const uint8_t *)(khi + (size_t)j0 * d);
-                kts[half] = direct ? (long)tok : (long)hstride;
-                kdir[half] = direct;
-            }
-            /* K [32][d] bf16 (hi, and lo for float16) where not direct; V packed in key
-             * pairs: [16 pairs][d][2]; rows past nt are zeros */
-            for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
-                if (kdir[j / 16]) continue;                     /* read from the pool */
-                uint16_t *kh = khi + (size_t)j * d, *kl = klo + (size_t)j * d;
-                if (j >= nt) {
-                    memset(kh, 0, hstride);
-                    if (f16) memset(kl, 0, hstride);
-                    continue;
-                }
-                const uint8_t *kr = a->kpool + rows[j];
-                if (!f16) { memcpy(kh, kr, hstride); continue; }
-                for (uint32_t x = 0; x < d; x += 16) {
-                    __m256i hi, lo;
-                    shmkv_amx_split(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kr + 2 * x))),
-                                    &hi, &lo);
-                    _mm256_storeu_si256((__m256i *)(kh + x), hi);
-                    _mm256_storeu_si256((__m256i *)(kl + x), lo);
-                }
-            }
-            const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41,
-                                                 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17,
-                                                 15, 13, 11, 9, 7, 5, 3, 1);   /* high words */
-            const __m512i ilv = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
-                                                 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
-                                                 35, 3, 34, 2, 33, 1, 32, 0);
-            for (uint32_t p = 0; p < SHMKV_AMX_KS / 2; p++) {
-                const uint32_t j0 = 2 * p, j1 = 2 * p + 1;
-                const uint8_t *v0 = j0 < nt ? a->vpool + rows[j0] : NULL;
-                const uint8_t *v1 = j1 < nt ? a->vpool + rows[j1] : NULL;
-                uint16_t *vh = vhi + (size_t)p * 2 * d, *vl = vlo + (size_t)p * 2 * d;
-                if (!f16) {                     /* bf16 as stored: interleave the words */
-                    for (uint32_t x = 0; x < d; x += 16) {
-                        const __m256i w0 = v0 ? _mm256_loadu_si256((const __m256i *)(v0 + 2 * x))
-                                              : _mm256_setzero_si256();
-                        const __m256i w1 = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 2 * x))
-                                              : _mm256_setzero_si256();
-                        _mm512_storeu_si512(vh + 2 * x, _mm512_permutex2var_epi16(
-                            _mm512_castsi256_si512(w0), ilv, _mm512_castsi256_si512(w1)));
-                    }
-                    continue;
-                }
-                for (uint32_t x = 0; x < d; x += 16) {
-                    const __m512 a0 = v0 ? shmkv_amx_ld(v0 + 2 * x, dt) : _mm512_setzero_ps();
-                    const __m512 a1 = v1 ? shmkv_amx_ld(v1 + 2 * x, dt) : _mm512_setzero_ps();
-                    __m256i h0, l0, h1, l1;
-                    shmkv_amx_split(a0, &h0, &l0);
-                    shmkv_amx_split(a1, &h1, &l1);
-                    _mm512_storeu_si512(vh + 2 * x, _mm512_permutex2var_epi16(
-                        _mm512_castsi256_si512(h0), ilv, _mm512_castsi256_si512(h1)));
-                    if (f16)
-                        _mm512_storeu_si512(vl + 2 * x, _mm512_permutex2var_epi16(
-                            _mm512_castsi256_si512(l0), ilv, _mm512_castsi256_si512(l1)));
-                }
-            }
-            for (uint32_t qt = 0; qt < nqt; qt++) {
-                const uint32_t q0 = qt * 16;
-                int32_t lo_lim = INT32_MAX, hi_lim = 0;
-                for (uint32_t c = 0; c < 16; c++) {
-                    if (lim[q0 + c] < lo_lim) lo_lim = lim[q0 + c];
-                    if (lim[q0 + c] > hi_lim) hi_lim = lim[q0 + c];
-                }
-                if ((int64_t)ts >= hi_lim) continue;          /* past every row's last key */
-                const int two = nt > 16;
-                /* S^T = K . Q^T over d in chunks of 32 */
-                _tile_zero(0);
-                _tile_zero(1);
+    for (uint32_t h0 = 0; h0 < a->hkv; h0 += HG) {
+        const uint32_t hn = a->hkv - h0 < HG ? a->hkv - h0 : HG;
+        for (uint32_t hh = 0; hh < hn; hh++) {
+            /* Q^T of the head in the pairs layout [tile][d/2][16 q][2], split hi + lo: per
+             * tile and 32 dims, 16 rows of 16 dim pairs (one dword each) transposed.
+             * Where every lo is 0 (q exactly bf16), the lo products are skipped. */
+            uint16_t *qhi = Qs + 2 * hh * qsz, *qlo = qhi + qsz;
+            __m512i lor = _mm512_setzero_si512();
+            for (uint32_t q0 = 0; q0 < nq; q0 += 16)
                 for (uint32_t x = 0; x < d; x += 32) {
-                    const size_t qo = (size_t)q0 * d + (size_t)x * 16;
-                    _tile_loadd(3, qhi + qo, 64);
-                    _tile_loadd(4, qlo + qo, 64);
-                    _tile_loadd(2, kt[0] + 2 * x, kts[0]);
-                    _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(0, 2, 4);
-                    if (f16) {
-                        _tile_loadd(2, klo + x, (long)hstride);
-                        _tile_dpbf16ps(0, 2, 3);
+                    __m512 rh[16], rl[16];
+                    for (uint32_t c = 0; c < 16; c++) {
+                        if (q0 + c >= nqh) { rh[c] = rl[c] = _mm512_setzero_ps(); continue; }
+                        const float *q = qf + ((size_t)(h0 + hh) * nqh + q0 + c) * d + x;
+                        __m256i h0v, l0, h1, l1;
+                        shmkv_amx_split(_mm512_loadu_ps(q), &h0v, &l0);
+                        shmkv_amx_split(_mm512_loadu_ps(q + 16), &h1, &l1);
+                        rh[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(h0v), h1, 1));
+                        rl[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1));
+                        lor = _mm512_or_si512(lor, _mm512_castps_si512(rl[c]));
                     }
-                    if (two) {
-                        _tile_loadd(2, kt[1] + 2 * x, kts[1]);
-                        _tile_dpbf16ps(1, 2, 3);
-                        _tile_dpbf16ps(1, 2, 4);
-                        if (f16) {
-                            _tile_loadd(2, klo + 16 * d + x, (long)hstride);
-                            _tile_dpbf16ps(1, 2, 3);
+                    shmkv_amx_tr16(rh);
+                    shmkv_amx_tr16(rl);
+                    const size_t o = (size_t)q0 * d + (size_t)x * 16;   /* 16 rows of 32 bf16 */
+                    for (uint32_t i = 0; i < 16; i++) {
+                        _mm512_storeu_ps((float *)(qhi + o + 32 * i), rh[i]);
+                        _mm512_storeu_ps((float *)(qlo + o + 32 * i), rl[i]);
+                    }
+                }
+            qlo_on[hh] = _mm512_test_epi32_mask(lor, lor) != 0;
+            for (uint32_t v = 0; v < nq; v++) { ms[hh * nq + v] = -INFINITY; ls[hh * nq + v] = 0; }
+            memset(Os + hh * qsz, 0, qsz * sizeof(float));
+        }
+        int cw = 0;
+        /* a chunk's slots into cs[cw]; block ids read once and checked */
+        if (it->t0 < tlast &&
+            shmkv_att_slots(a, table, it->t0, tlast - it->t0 < SHMKV_AMX_KC ? tlast - it->t0 : SHMKV_AMX_KC,
+                            cs[0])) { rc = -1; goto done; }
+        for (uint32_t tc = it->t0; tc < tlast; tc += SHMKV_AMX_KC, cw ^= 1) {
+            const uint32_t nc = tlast - tc < SHMKV_AMX_KC ? tlast - tc : SHMKV_AMX_KC;
+            const uint32_t tcn = tc + SHMKV_AMX_KC;
+            const uint32_t ncn = tcn >= tlast ? 0 : (tlast - tcn < SHMKV_AMX_KC ? tlast - tcn : SHMKV_AMX_KC);
+            if (ncn && shmkv_att_slots(a, table, tcn, ncn, cs[cw ^ 1])) { rc = -1; goto done; }
+            for (uint32_t hh = 0; hh < hn; hh++) {
+                const uint32_t h = h0 + hh;
+                const uint16_t *qhi = Qs + 2 * hh * qsz, *qlo = qhi + qsz;
+                float *O = Os + hh * qsz, *m = ms + (size_t)hh * nq, *l = ls + (size_t)hh * nq;
+                /* the products summed into S^T: qhi.khi, then qlo.khi, then qhi.klo */
+                const uint16_t *tq[3] = {qhi, qhi, qhi};
+                int nterm = 1, kterm[3] = {0, 0, 0};
+                if (qlo_on[hh]) tq[nterm++] = qlo;
+                if (f16) kterm[nterm++] = 1;
+                for (uint32_t ts = tc; ts < tc + nc; ts += SHMKV_AMX_KS) {
+                    const uint32_t nt = tc + nc - ts < SHMKV_AMX_KS ? tc + nc - ts : SHMKV_AMX_KS;
+                    /* the rows to bring in while this step computes: the chunk's next
+                     * step, else the next head's first, else the next chunk's */
+                    const size_t *pre = NULL;
+                    uint32_t pn = 0, ph = h;
+                    if (ts + SHMKV_AMX_KS < tc + nc) {
+                        pre = cs[cw] + (ts + SHMKV_AMX_KS - tc);
+                        pn = tc + nc - ts - SHMKV_AMX_KS;
+                    } else if (hh + 1 < hn) {
+                        pre = cs[cw], pn = nc, ph = h + 1;
+                    } else if (ncn) {
+                        pre = cs[cw ^ 1], pn = ncn, ph = h0;
+                    }
+                    if (pn > SHMKV_AMX_KS) pn = SHMKV_AMX_KS;
+                    for (uint32_t j = 0; j < nt; j++) rows[j] = cs[cw][ts - tc + j] * tok + h * hstride;
+                    /* K of a bfloat16 pool is loaded onto the tiles straight from the pool
+                     * where a half step's 16 rows are evenly spaced (one block's rows: tok
+                     * bytes apart), else packed; float16 K is split hi + lo, packed */
+                    const uint8_t *kt[2];
+                    long kts[2];
+                    int kdir[2];
+                    for (uint32_t half = 0; half < 2; half++) {
+                        const uint32_t j0 = 16 * half;
+                        int direct = !f16 && j0 + 16 <= nt;
+                        for (uint32_t j = j0 + 1; direct && j < j0 + 16; j++)
+                            direct = rows[j] - rows[j - 1] == tok;
+                        kt[half] = direct ? a->kpool + rows[j0] : (const uint8_t *)(khi + (size_t)j0 * d);
+                        kts[half] = direct ? (long)tok : (long)hstride;
+                        kdir[half] = direct;
+                    }
+                    /* K [32][d] bf16 (hi, and lo for float16) where not direct; V packed in
+                     * key pairs: [16 pairs][d][2]; rows past nt are zeros */
+                    for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
+                        if (kdir[j / 16]) continue;                     /* read from the pool */
+                        uint16_t *kh = khi + (size_t)j * d, *kl = klo + (size_t)j * d;
+                        if (j >= nt) {
+                            memset(kh, 0, hstride);
+                            if (f16) memset(kl, 0, hstride);
+                            continue;
+                        }
+                        const uint8_t *kr = a->kpool + rows[j];
+                        if (!f16) { memcpy(kh, kr, hstride); continue; }
+                        for (uint32_t x = 0; x < d; x += 16) {
+                            __m256i hi, lo;
+                            shmkv_amx_split(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kr + 2 * x))),
+                                            &hi, &lo);
+                            _mm256_storeu_si256((__m256i *)(kh + x), hi);
+                            _mm256_storeu_si256((__m256i *)(kl + x), lo);
                         }
                     }
-                }
-                _tile_stored(0, st, 64);
-                if (two) _tile_stored(1, st + 256, 64);
-                /* online softmax down the columns: one vector = 16 query vectors */
-                __m512 s[SHMKV_AMX_KS];
-                const __m512i limv = _mm512_loadu_si512(lim + q0);
-                const int full = ts + nt <= (uint32_t)lo_lim;
-                __m512 mt = _mm512_set1_ps(-INFINITY);
-                for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
-                    if (j >= nt) { s[j] = _mm512_set1_ps(-INFINITY); continue; }
-                    s[j] = _mm512_loadu_ps(st + 16 * j);
-                    if (!full)                                 /* the causal diagonal */
-                        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
-                                                  _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(ts + j))),
-                                                  s[j]);
-                    mt = _mm512_max_ps(mt, s[j]);
-                }
-                /* lazy rescaling: a column's reference max moves only when a score
-                 * passes it by more than SHMKV_AMX_SLACK2 (or on its first visible key),
-                 * so most steps have alpha == 1 and accumulate straight into O on the
-                 * tiles; p = 2^(s - m) <= 2^SLACK2 stays far from fp32's range */
-                const __m512 mo = _mm512_loadu_ps(m + q0), ninf = _mm512_set1_ps(-INFINITY);
-                const __mmask16 up = _mm512_cmp_ps_mask(
-                    mt, _mm512_add_ps(mo, _mm512_set1_ps(SHMKV_AMX_SLACK2)), _CMP_GT_OQ);
-                const __m512 mn = _mm512_mask_max_ps(mo, up, mo, mt);
-                /* -inf - -inf: a column with nothing visible yet subtracts 0 instead */
-                const __m512 mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ),
-                                                     _mm512_setzero_ps());
-                __m512 sum = _mm512_setzero_ps();
-                for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
-                    s[j] = gexp2_avx512(_mm512_sub_ps(s[j], mu));
-                    sum = _mm512_add_ps(sum, s[j]);
-                }
-                if (up) {                       /* some columns moved: rescale their O, l */
-                    const __m512 al = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), up,
-                                                         gexp2_avx512(_mm512_sub_ps(mo, mu)));
-                    _mm512_storeu_ps(l + q0, _mm512_fmadd_ps(_mm512_loadu_ps(l + q0), al, sum));
-                    _mm512_storeu_ps(alpha, al);
-                    for (uint32_t c = 0; c < 16; c++) {
-                        if (!(up >> c & 1)) continue;
-                        const __m512 ac = _mm512_set1_ps(alpha[c]);
-                        float *o = O + (size_t)(q0 + c) * d;
-                        for (uint32_t x = 0; x < d; x += 16)
-                            _mm512_storeu_ps(o + x, _mm512_mul_ps(_mm512_loadu_ps(o + x), ac));
+                    for (uint32_t p = 0; p < SHMKV_AMX_KS / 2; p++) {
+                        const uint32_t j0 = 2 * p, j1 = 2 * p + 1;
+                        const uint8_t *v0 = j0 < nt ? a->vpool + rows[j0] : NULL;
+                        const uint8_t *v1 = j1 < nt ? a->vpool + rows[j1] : NULL;
+                        uint16_t *vh = vhi + (size_t)p * 2 * d, *vl = vlo + (size_t)p * 2 * d;
+                        if (!f16) {                     /* bf16 as stored: interleave the words */
+                            for (uint32_t x = 0; x < d; x += 16) {
+                                const __m256i w0 = v0 ? _mm256_loadu_si256((const __m256i *)(v0 + 2 * x))
+                                                      : _mm256_setzero_si256();
+                                const __m256i w1 = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 2 * x))
+                                                      : _mm256_setzero_si256();
+                                _mm512_storeu_si512(vh + 2 * x, _mm512_permutex2var_epi16(
+                                    _mm512_castsi256_si512(w0), ilv, _mm512_castsi256_si512(w1)));
+                            }
+                            continue;
+                        }
+                        for (uint32_t x = 0; x < d; x += 16) {
+                            const __m512 a0 = v0 ? shmkv_amx_ld(v0 + 2 * x, dt) : _mm512_setzero_ps();
+                            const __m512 a1 = v1 ? shmkv_amx_ld(v1 + 2 * x, dt) : _mm512_setzero_ps();
+                            __m256i h0v, l0, h1, l1;
+                            shmkv_amx_split(a0, &h0v, &l0);
+                            shmkv_amx_split(a1, &h1, &l1);
+                            _mm512_storeu_si512(vh + 2 * x, _mm512_permutex2var_epi16(
+                                _mm512_castsi256_si512(h0v), ilv, _mm512_castsi256_si512(h1)));
+                            _mm512_storeu_si512(vl + 2 * x, _mm512_permutex2var_epi16(
+                                _mm512_castsi256_si512(l0), ilv, _mm512_castsi256_si512(l1)));
+                        }
                     }
-                } else {
-                    _mm512_storeu_ps(l + q0, _mm512_add_ps(_mm512_loadu_ps(l + q0), sum));
-                }
-                _mm512_storeu_ps(m + q0, mn);
-                /* P [16 q][32 keys] = (S^T)^T, split hi + lo */
-                shmkv_amx_tr16(s);
-                shmkv_amx_tr16(s + 16);
-                for (uint32_t c = 0; c < 16; c++) {   /* hi by truncation: one permute */
-                    const __m512i hm = _mm512_set1_epi32((int)0xffff0000u);
-                    const __m512 t0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s[c]), hm));
-                    const __m512 t1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s[16 + c]), hm));
-                    _mm512_storeu_si512(phi + 32 * c, _mm512_permutex2var_epi16(
-                        _mm512_castps_si512(s[c]), odd, _mm512_castps_si512(s[16 + c])));
-                    _mm512_storeu_si512(plo + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(
-                        _mm512_sub_ps(s[16 + c], t1), _mm512_sub_ps(s[c], t0)));
-                }
-                /* O += P . V, 16 columns of d at a time, accumulated on the tile */
-                _tile_loadd(6, phi, 64);
-                _tile_loadd(7, plo, 64);
-                for (uint32_t x = 0; x < d; x += 16) {
-                    float *o = O + (size_t)q0 * d + x;
-                    _tile_loadd(5, o, (long)(4 * d));
-                    _tile_loadd(2, vhi + 2 * x, (long)(4 * d));
-                    _tile_dpbf16ps(5, 6, 2);
-                    _tile_dpbf16ps(5, 7, 2);
-                    if (f16) {
-                        _tile_loadd(2, vlo + 2 * x, (long)(4 * d));
-                        _tile_dpbf16ps(5, 6, 2);
+                    const int two = nt > 16;
+                    const uint32_t npair = (nqt + 1) / 2;
+                    const uint32_t lpr = (uint32_t)(hstride / 64), pft = pn * 2 * lpr;
+                    const uint32_t spots = npair * (d / 32), pfper = (pft + spots - 1) / spots;
+                    uint32_t pfc = 0;
+                    for (uint32_t pq = 0; pq < npair; pq++) {
+                        /* the tiles of the pair that still see a key of this step (lim grows
+                         * with the vector index: if the first does, the second does) */
+                        uint32_t act[2], na = 0;
+                        for (uint32_t t = 2 * pq; t < 2 * pq + 2 && t < nqt; t++) {
+                            const uint32_t qe = nqh - 16 * t < 16 ? nqh - 16 * t : 16;   /* real */
+                            if ((int64_t)ts < lim[16 * t + qe - 1]) act[na++] = t;
+                        }
+                        if (na == 0) {
+                            for (; pfc < pft && pfc < (pq + 1) * pfper * (d / 32); pfc++) {
+                                const uint32_t j = pfc / (2 * lpr), kv = pfc / lpr & 1, ln = pfc % lpr;
+                                __builtin_prefetch((kv ? a->vpool : a->kpool) + pre[j] * tok + ph * hstride
+                                                   + 64 * ln, 0, 2);
+                            }
+                            continue;
+                        }
+                        /* S^T = K . Q^T over d in chunks of 32, 2 tiles of keys x up to 2
+                         * tiles of query vectors (accumulators 0, 1 and 5, 6; Q on 3, 7; K on
+                         * 2, 4): four independent accumulations in flight */
+                        const size_t qa = (size_t)act[0] * 16 * d, qb = na > 1 ? (size_t)act[1] * 16 * d : 0;
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(5);
+                        _tile_zero(6);
+                        for (uint32_t x = 0; x < d; x += 32) {
+                            const size_t xo = (size_t)x * 16;
+                            /* the rows to come into the cache, a few lines at a time (a
+                             * burst of prefetches stalls the core once its miss buffers
+                             * are full; nothing else brings them: their stride is one
+                             * the hardware prefetchers miss) */
+                            for (uint32_t e = pfc + pfper < pft ? pfc + pfper : pft; pfc < e; pfc++) {
+                                const uint32_t j = pfc / (2 * lpr), kv = pfc / lpr & 1, ln = pfc % lpr;
+                                __builtin_prefetch((kv ? a->vpool : a->kpool) + pre[j] * tok + ph * hstride
+                                                   + 64 * ln, 0, 2);
+                            }
+                            for (int term = 0; term < nterm; term++) {
+                                if (kterm[term]) {
+                                    _tile_loadd(2, klo + x, (long)hstride);
+                                    if (two) _tile_loadd(4, klo + 16 * d + x, (long)hstride);
+                                } else {
+                                    _tile_loadd(2, kt[0] + 2 * x, kts[0]);
+                                    if (two) _tile_loadd(4, kt[1] + 2 * x, kts[1]);
+                                }
+                                _tile_loadd(3, tq[term] + qa + xo, 64);
+                                _tile_dpbf16ps(0, 2, 3);
+                                if (two) _tile_dpbf16ps(1, 4, 3);
+                                if (na > 1) {
+                                    _tile_loadd(7, tq[term] + qb + xo, 64);
+                                    _tile_dpbf16ps(5, 2, 7);
+                                    if (two) _tile_dpbf16ps(6, 4, 7);
+                                }
+                            }
+                        }
+                        _tile_stored(0, st, 64);
+                        if (two) _tile_stored(1, st + 256, 64);
+                        if (na > 1) {
+                            _tile_stored(5, st + 512, 64);
+                            if (two) _tile_stored(6, st + 768, 64);
+                        }
+                        for (uint32_t i = 0; i < na; i++)
+                            shmkv_amx_pv(st + 512 * i, act[i] * 16, ts, nt, sc, lim, O, m, l, alpha,
+                                         phi, plo, vhi, vlo, d, f16);
                     }
-                    _tile_stored(5, o, (long)(4 * d));
                 }
             }
         }
-        for (uint32_t v = 0; v < nqh; v++) {                /* this head's vectors out */
-            memcpy(acc + ((size_t)h * nqh + v) * d, O + (size_t)v * d, d * sizeof(float));
-            m_out[h * nqh + v] = m[v] * 0.69314718055994531f;   /* back to e units */
-            l_out[h * nqh + v] = l[v];
-        }
+        for (uint32_t hh = 0; hh < hn; hh++)                /* the group's vectors out */
+            for (uint32_t v = 0; v < nqh; v++) {
+                const size_t o = (size_t)(h0 + hh) * nqh + v;
+                memcpy(acc + o * d, Os + hh * qsz + (size_t)v * d, d * sizeof(float));
+                m_out[o] = ms[hh * nq + v] * 0.69314718055994531f;   /* back to e units */
+                l_out[o] = ls[hh * nq + v];
+            }
     }
 done:
     _tile_release();
