@@ -121,6 +121,22 @@ static size_t shmkv_amx_scratch(uint32_t nqh, uint32_t d, uint32_t hkv) {
          + 2 * nq + 64;                   /* alpha, lim */
 }
 
+/* A cursor over the cache lines of some pool rows, K then V of each (no divisions). */
+typedef struct {
+    const size_t *slot;
+    const uint8_t *k, *v;               /* the pools at the head's offset */
+    size_t tok;
+    uint32_t lpr, j, kv, ln;            /* lines per row; the cursor */
+} shmkv_amx_pf_t;
+
+static inline void shmkv_amx_pf_next(shmkv_amx_pf_t *c) {
+    __builtin_prefetch((c->kv ? c->v : c->k) + c->slot[c->j] * c->tok + 64 * (size_t)c->ln, 0, 2);
+    if (++c->ln < c->lpr) return;
+    c->ln = 0;
+    if (c->kv ^= 1) return;
+    c->j++;
+}
+
 /* The step's online softmax and O += P.V for the 16 query vectors at q0, from their scores
  * st = S^T [32 keys][16 q] (raw q.k: times sc makes log2 units).  Tiles 6, 7 take P hi, lo;
  * O goes through tiles 5 and 0 and V through 2 and 4 (float16's V lo: 1 and 3), two
@@ -398,6 +414,8 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                     const uint32_t lpr = (uint32_t)(hstride / 64), pft = pn * 2 * lpr;
                     const uint32_t spots = npair * (d / 32), pfper = (pft + spots - 1) / spots;
                     uint32_t pfc = 0;
+                    shmkv_amx_pf_t pf = {pre, a->kpool + ph * hstride, a->vpool + ph * hstride, tok,
+                                         lpr, 0, 0, 0};
                     for (uint32_t pq = 0; pq < npair; pq++) {
                         /* the tiles of the pair that still see a key of this step (lim grows
                          * with the vector index: if the first does, the second does) */
@@ -407,11 +425,8 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                             if ((int64_t)ts < lim[16 * t + qe - 1]) act[na++] = t;
                         }
                         if (na == 0) {
-                            for (; pfc < pft && pfc < (pq + 1) * pfper * (d / 32); pfc++) {
-                                const uint32_t j = pfc / (2 * lpr), kv = pfc / lpr & 1, ln = pfc % lpr;
-                                __builtin_prefetch((kv ? a->vpool : a->kpool) + pre[j] * tok + ph * hstride
-                                                   + 64 * ln, 0, 2);
-                            }
+                            for (; pfc < pft && pfc < (pq + 1) * pfper * (d / 32); pfc++)
+                                shmkv_amx_pf_next(&pf);
                             continue;
                         }
                         /* S^T = K . Q^T over d in chunks of 32, 2 tiles of keys x up to 2
@@ -428,11 +443,8 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                              * burst of prefetches stalls the core once its miss buffers
                              * are full; nothing else brings them: their stride is one
                              * the hardware prefetchers miss) */
-                            for (uint32_t e = pfc + pfper < pft ? pfc + pfper : pft; pfc < e; pfc++) {
-                                const uint32_t j = pfc / (2 * lpr), kv = pfc / lpr & 1, ln = pfc % lpr;
-                                __builtin_prefetch((kv ? a->vpool : a->kpool) + pre[j] * tok + ph * hstride
-                                                   + 64 * ln, 0, 2);
-                            }
+                            for (uint32_t e = pfc + pfper < pft ? pfc + pfper : pft; pfc < e; pfc++)
+                                shmkv_amx_pf_next(&pf);
                             for (int term = 0; term < nterm; term++) {
                                 if (kterm[term]) {
                                     _tile_loadd(2, klo + x, (long)hstride);
