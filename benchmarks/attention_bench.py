@@ -224,7 +224,10 @@ def decode_isa_main(isas, dtypes, reps, threads, base_path=None):
 def prefill_case(dtype, length, rows, reps, torch_reps, threads):
     case = Case(dtype, 1, length)
     try:
-        q = np.random.default_rng(2).standard_normal((rows, HQ, D), np.float32)
+        # q as a model in the stored dtype hands it over (the values torch's SDPA on the
+        # stored dtype and vLLM get); float32 for shmkv, as the contract takes it
+        q = (np.random.default_rng(2).standard_normal((rows, HQ, D), np.float32)
+             .astype(case.cfg.numpy_dtype).astype(np.float32))
         out = np.empty_like(q)
         res = {"case": f"prefill {rows} into {length // 1024}k", "dtype": dtype, "batch": 1,
                "length": length, "rows": rows, "kv_bytes": case.kv_bytes}
