@@ -65,19 +65,23 @@ class Case:
                                      max_seqs=max(4, batch))
         self.name = f"shmkv-attn-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.cache = shmkv.KVCache.create(self.name, self.cfg)
-        rng = np.random.default_rng(seed)
-        npdt = self.cfg.numpy_dtype
-        self.sids = []
-        step = 4096
-        for _ in range(batch):
-            sid = self.cache.create_sequence()
-            for o in range(0, length, step):
-                n = min(step, length - o)
-                k = rng.standard_normal((1, n, HKV, D), np.float32).astype(npdt)
-                v = rng.standard_normal((1, n, HKV, D), np.float32).astype(npdt)
-                self.cache.append(sid, k, v)
-            self.sids.append(sid)
-        self.kv_bytes = 2 * batch * length * HKV * D * np.dtype(npdt).itemsize
+        try:
+            rng = np.random.default_rng(seed)
+            cdt = self.cfg.compute_dtype          # what append takes (quantized: floats)
+            self.sids = []
+            step = 4096
+            for _ in range(batch):
+                sid = self.cache.create_sequence()
+                for o in range(0, length, step):
+                    n = min(step, length - o)
+                    k = rng.standard_normal((1, n, HKV, D), np.float32).astype(cdt)
+                    v = rng.standard_normal((1, n, HKV, D), np.float32).astype(cdt)
+                    self.cache.append(sid, k, v)
+                self.sids.append(sid)
+        except BaseException:
+            self.close()
+            raise
+        self.kv_bytes = 2 * batch * length * HKV * D * np.dtype(self.cfg.numpy_dtype).itemsize
 
     def close(self):
         self.cache.close()
@@ -227,7 +231,7 @@ def prefill_case(dtype, length, rows, reps, torch_reps, threads):
         # q as a model in the stored dtype hands it over (the values torch's SDPA on the
         # stored dtype and vLLM get); float32 for shmkv, as the contract takes it
         q = (np.random.default_rng(2).standard_normal((rows, HQ, D), np.float32)
-             .astype(case.cfg.numpy_dtype).astype(np.float32))
+             .astype(case.cfg.compute_dtype).astype(np.float32))
         out = np.empty_like(q)
         res = {"case": f"prefill {rows} into {length // 1024}k", "dtype": dtype, "batch": 1,
                "length": length, "rows": rows, "kv_bytes": case.kv_bytes}
