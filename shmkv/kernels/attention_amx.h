@@ -262,7 +262,9 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
     float *alpha = (float *)(plo + 16 * 32) + 256;
     int32_t *lim = (int32_t *)(alpha + nq);
     size_t cs[2][SHMKV_AMX_KC], rows[SHMKV_AMX_KS];     /* a chunk's slots; a step's rows */
-    uint8_t qlo_on[SHMKV_AMX_STATE / 4096];             /* per head: q has a lo half */
+    /* per head of a group: q has a lo half (a head's state is at least 16 x 32 x 8 bytes,
+     * so SHMKV_AMX_STATE / 4096 bounds HG) */
+    uint8_t qlo_on[SHMKV_AMX_STATE / 4096];
 
     shmkv_tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
