@@ -235,7 +235,7 @@ static int shmkv_cpu_f16c_fma(void) {
 }
 #endif
 
-int shmkv_attn_cpu_isa(void) {
+static int shmkv_attn_cpu_isa_probe(void) {
 #if SHMKV_HAVE_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -245,6 +245,19 @@ int shmkv_attn_cpu_isa(void) {
         return SHMKV_ISA_AVX2;
 #endif
     return SHMKV_ISA_SCALAR;
+}
+
+/* Probed once per process: CPUID traps to the hypervisor in a VM (13 us a call measured on
+ * this project's machines, and every attention call asked three times: 39 us, about a
+ * SmolLM2 layer's whole decode attention at short context). */
+int shmkv_attn_cpu_isa(void) {
+    static int isa = -1;
+    int v = __atomic_load_n(&isa, __ATOMIC_RELAXED);
+    if (v < 0) {
+        v = shmkv_attn_cpu_isa_probe();
+        __atomic_store_n(&isa, v, __ATOMIC_RELAXED);
+    }
+    return v;
 }
 
 int shmkv_attn_isa(void) {
