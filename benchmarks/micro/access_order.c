@@ -4,14 +4,21 @@
  * pass.)  Not part of the build: a standalone measurement.
  *
  *   gcc -O2 -mavx512f -mavx512bw -mf16c -mfma -o /tmp/access_order \
- *       benchmarks/micro/access_order.c -lpthread && /tmp/access_order 2
+ *       benchmarks/micro/access_order.c -lpthread && /tmp/access_order 2 [1]
+ *
+ * The optional second argument 1 asks for 2 MiB pages (madvise MADV_HUGEPAGE on the two
+ * buffers; anonymous memory, so it needs /sys/kernel/mm/transparent_hugepage/enabled at
+ * "madvise" or "always"): the same orders with a TLB entry per 2 MiB instead of per 4 KiB.
  *
  * The layout is the pool's: [block][16 tokens][8 kv heads][128] float16, K and V apart,
  * 8 sequences x 256 blocks (8 x 4k, 64 MiB each).  Each thread takes whole sequences.
  * Orders, per block: sequential (the read floor's), head-major (the kernel's: each head's
  * 16 rows, 2 KiB apart, K then V), head-major with the next block's rows of that head
  * prefetched (what the kernel does), token-major (address order), token-major with the
- * next block's first lines prefetched, and 4-token groups.  "light": one add per line;
+ * next block's first lines prefetched, 4-token groups, and head-major with the next block
+ * touched sparsely in address order (two lines per page, every 4th or every 8th line), to
+ * see whether a few prefetches start the L2 streamer on the rest, and the kernel's order
+ * with one line per page prefetched two blocks ahead as well (the page walks done early).  "light": one add per line;
  * "work": per line two float16 -> float32 conversions and eight FMAs (a decode row's
  * share for 4 query vectors).  Best of 7 per order, three rounds.
  */
@@ -22,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
 
 #define NSEQ 8
 #define NBLK 256
@@ -93,6 +101,41 @@ static void *run(void *arg) {
                 for (int j = 0; j < BS; j++)
                     for (int h = 0; h < H; h++) rd(vb + j * TOK + h * ROW, ROW, &s);
                 if (mode == 4 && next) pf(vb + BLK, 256);
+            } else if (mode == 9) {
+                /* the kernel's order and prefetch, plus one line per page two blocks
+                 * ahead (the page walk done early) */
+                if (b + 2 < NBLK)
+                    for (size_t pg = 0; pg < BLK; pg += 4096) {
+                        _mm_prefetch((const char *)kb + 2 * BLK + pg, _MM_HINT_T1);
+                        _mm_prefetch((const char *)vb + 2 * BLK + pg, _MM_HINT_T1);
+                    }
+                for (int h = 0; h < H; h++) {
+                    for (int j = 0; j < BS; j++) {
+                        if (next) pf(kb + BLK + j * TOK + h * ROW, ROW);
+                        rd(kb + j * TOK + h * ROW, ROW, &s);
+                    }
+                    for (int j = 0; j < BS; j++) {
+                        if (next) pf(vb + BLK + j * TOK + h * ROW, ROW);
+                        rd(vb + j * TOK + h * ROW, ROW, &s);
+                    }
+                }
+            } else if (mode >= 6) {
+                /* head-major; the next block touched sparsely, in address order, spread
+                 * over the heads: mode 6 two lines per page, 7 every 4th line, 8 every 8th */
+                const size_t step = mode == 6 ? 4096 : mode == 7 ? 256 : 512;
+                const size_t per = mode == 6 ? 2 : 1;
+                const size_t npos = BLK / step;   /* positions per pool block */
+                size_t pos = 0;
+                for (int h = 0; h < H; h++) {
+                    const size_t e = (size_t)(h + 1) * npos / H;
+                    for (; pos < e && next; pos++)
+                        for (size_t l = 0; l < per; l++) {
+                            _mm_prefetch((const char *)kb + BLK + pos * step + 64 * l, _MM_HINT_T1);
+                            _mm_prefetch((const char *)vb + BLK + pos * step + 64 * l, _MM_HINT_T1);
+                        }
+                    for (int j = 0; j < BS; j++) rd(kb + j * TOK + h * ROW, ROW, &s);
+                    for (int j = 0; j < BS; j++) rd(vb + j * TOK + h * ROW, ROW, &s);
+                }
             } else {
                 for (int jb = 0; jb < BS; jb += 4)
                     for (int h = 0; h < H; h++)
@@ -110,18 +153,23 @@ static void *run(void *arg) {
 
 int main(int argc, char **argv) {
     const size_t n = (size_t)NSEQ * NBLK * BLK;
-    K = aligned_alloc(4096, n);
-    V = aligned_alloc(4096, n);
+    K = aligned_alloc(2 << 20, n);
+    V = aligned_alloc(2 << 20, n);
     if (!K || !V) return 1;
+    if (argc > 2 && atoi(argv[2])) {
+        const int rk = madvise(K, n, MADV_HUGEPAGE), rv = madvise(V, n, MADV_HUGEPAGE);
+        printf("madvise(MADV_HUGEPAGE): %s\n", rk == 0 && rv == 0 ? "ok" : "refused");
+    }
     memset(K, 1, n);
     memset(V, 2, n);
     nthr = argc > 1 ? atoi(argv[1]) : 2;
     if (nthr < 1 || nthr > 64) return 1;
     const char *names[] = {"sequential", "head-major", "head-major + prefetch",
-                           "token-major", "token-major + prefetch", "4-token groups"};
+                           "token-major", "token-major + prefetch", "4-token groups",
+                           "hm + 2 lines per page", "hm + every 4th line", "hm + every 8th line", "hm + prefetch + pages 2 ahead"};
     for (work = 0; work < 2; work++)
         for (int r = 0; r < 3; r++)
-            for (mode = 0; mode < 6; mode++) {
+            for (mode = 0; mode < 10; mode++) {
                 double best = 1e9;
                 for (int it = 0; it < 7; it++) {
                     pthread_t th[64];
