@@ -83,14 +83,22 @@ static void *run(void *arg) {
             if (mode == 0) {
                 rd(kb, BLK, &s);
                 rd(vb, BLK, &s);
-            } else if (mode == 1 || mode == 2) {
+            } else if (mode == 1 || mode == 2 || mode == 9) {
+                /* mode 9: the kernel's (2), plus one line per page two blocks ahead (the
+                 * page walks done early) */
+                const int pfn = mode != 1 && next;
+                if (mode == 9 && b + 2 < NBLK)
+                    for (size_t pg = 0; pg < BLK; pg += 4096) {
+                        _mm_prefetch((const char *)kb + 2 * BLK + pg, _MM_HINT_T1);
+                        _mm_prefetch((const char *)vb + 2 * BLK + pg, _MM_HINT_T1);
+                    }
                 for (int h = 0; h < H; h++) {
                     for (int j = 0; j < BS; j++) {
-                        if (mode == 2 && next) pf(kb + BLK + j * TOK + h * ROW, ROW);
+                        if (pfn) pf(kb + BLK + j * TOK + h * ROW, ROW);
                         rd(kb + j * TOK + h * ROW, ROW, &s);
                     }
                     for (int j = 0; j < BS; j++) {
-                        if (mode == 2 && next) pf(vb + BLK + j * TOK + h * ROW, ROW);
+                        if (pfn) pf(vb + BLK + j * TOK + h * ROW, ROW);
                         rd(vb + j * TOK + h * ROW, ROW, &s);
                     }
                 }
@@ -101,24 +109,6 @@ static void *run(void *arg) {
                 for (int j = 0; j < BS; j++)
                     for (int h = 0; h < H; h++) rd(vb + j * TOK + h * ROW, ROW, &s);
                 if (mode == 4 && next) pf(vb + BLK, 256);
-            } else if (mode == 9) {
-                /* the kernel's order and prefetch, plus one line per page two blocks
-                 * ahead (the page walk done early) */
-                if (b + 2 < NBLK)
-                    for (size_t pg = 0; pg < BLK; pg += 4096) {
-                        _mm_prefetch((const char *)kb + 2 * BLK + pg, _MM_HINT_T1);
-                        _mm_prefetch((const char *)vb + 2 * BLK + pg, _MM_HINT_T1);
-                    }
-                for (int h = 0; h < H; h++) {
-                    for (int j = 0; j < BS; j++) {
-                        if (next) pf(kb + BLK + j * TOK + h * ROW, ROW);
-                        rd(kb + j * TOK + h * ROW, ROW, &s);
-                    }
-                    for (int j = 0; j < BS; j++) {
-                        if (next) pf(vb + BLK + j * TOK + h * ROW, ROW);
-                        rd(vb + j * TOK + h * ROW, ROW, &s);
-                    }
-                }
             } else if (mode >= 6) {
                 /* head-major; the next block touched sparsely, in address order, spread
                  * over the heads: mode 6 two lines per page, 7 every 4th line, 8 every 8th */
