@@ -56,6 +56,20 @@ typedef struct {
     uint8_t rows[16];
 } shmkv_tilecfg_t;
 
+/* Loads a configuration of ntiles tiles of 16 rows x 64 bytes.  The empty asm tells the
+ * compiler that all 64 bytes of cfg are read: GCC 12's _tile_loadconfig declares only the
+ * first 8 as its asm's input, so the stores of colsb and rows may be dropped as dead.  With
+ * a constant tile count they were (a sixth-pass decode item faulted in ldtilecfg on the
+ * stack's garbage); the prefill item's loop of 8 kept them only by the optimiser's choice. */
+SHMKV_AMX_TGT static void shmkv_amx_config(int ntiles) {
+    shmkv_tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < ntiles; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    __asm__ volatile("" : : "m"(cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
 SHMKV_AMX_TGT static inline __m512 shmkv_amx_bf2f(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -266,11 +280,7 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
      * so SHMKV_AMX_STATE / 4096 bounds HG) */
     uint8_t qlo_on[SHMKV_AMX_STATE / 4096];
 
-    shmkv_tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
+    shmkv_amx_config(8);
 
     for (uint32_t v = 0; v < nq; v++) {
         const uint32_t r = v < nqh ? v / G : it->nrows - 1;   /* padding: any valid row */
