@@ -32,6 +32,7 @@
 #undef VLOADI
 #undef VSET1I
 #undef VMASKLT
+#undef GEXP2_MIN
 /* Register blocking, sized to the register file (32 zmm / 16 ymm):
  *   S^T: GKB keys x GNV vectors of query lanes (AVX-512: 8 x 2 = 16 accumulators, per
  *        element of d 2 loads + 8 broadcasts for 16 FMAs; AVX2: 6 x 2 = 12 of 16 ymm);
@@ -61,9 +62,13 @@
 #endif
 #define GQB (GNV * W)                   /* query lanes per block */
 
-/* 2^x, exactly 0 where x == -inf, for x <= 12 (the column max is subtracted; the AMX
- * item, which calls the AVX-512 pass's copy, lets a score pass it by SHMKV_AMX_SLACK2):
- * 2^r on [-1/2, 1/2] by its degree-6 Taylor polynomial (error ~1e-7), times 2^n */
+/* 2^x for x <= 12 (the column max is subtracted; the AMX item, which calls the AVX-512
+ * pass's copy, lets a score pass it by SHMKV_AMX_SLACK2): 2^r on [-1/2, 1/2] by its
+ * degree-6 Taylor polynomial (error ~1e-7), times 2^n.  Exactly 0 where x <= -100 (and
+ * -inf): 2^-100 of the max is far below fp32's precision of the sum, and a weight near
+ * 2^-126 is a denormal, whose every product takes a microcode assist (a softmax with
+ * scores spread ~16 had ~2% of them there and ran 2.5-4x slower) */
+#define GEXP2_MIN (-100.0f)
 SHMKV_AI VEC FN(gexp2)(VEC x0) {
     const VEC x = VMAX(x0, VSET1(-127.0f));
     const VEC n = VROUNDN(x);
@@ -75,11 +80,13 @@ SHMKV_AI VEC FN(gexp2)(VEC x0) {
     p = VFMA(p, r, VSET1(2.4022650696e-1f));
     p = VFMA(p, r, VSET1(6.9314718056e-1f));
     p = VFMA(p, r, VSET1(1.0f));
+    /* NaN stays NaN (its row's result is NaN, the other rows' untouched) */
 #if SHMKV_ISA_PASS == 2
-    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ),
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(GEXP2_MIN), _CMP_NLE_UQ),
                                   p, n);
 #else
-    return VLIVE(x0, VMUL(p, VPOW2I(n)));   /* n = -127: a zero exponent field, 0 */
+    return _mm256_and_ps(_mm256_cmp_ps(x0, _mm256_set1_ps(GEXP2_MIN), _CMP_NLE_UQ),
+                         VMUL(p, VPOW2I(n)));
 #endif
 }
 
