@@ -37,6 +37,21 @@ def test_prefill_tiles_match_reference(make_cache, isa, two_threads, dtype, d, h
                  reference(cache, 0, q, sids, q_lens))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_prefill_with_a_sharp_softmax(make_cache, isa, two_threads, dtype):
+    """Scores spread ~8 (K scaled by 8): an error in a score is an absolute error in its
+    exponent, |s| times the relative one, so the tiles must keep q.k's second-order
+    products (q lo . K lo, q's third piece . K hi, ...).  With first-order products only
+    the float16 pool was off by 3.7e-5 here, past the bound; the FMA paths by ~4e-6."""
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=128, num_blocks=70,
+                       block_size=16, dtype=dtype)
+    rng = np.random.default_rng(1)
+    sid = cache.create_sequence()
+    fill(cache, sid, 1000, rng, scale=8.0)
+    q = rng.standard_normal((64, 8, 128)).astype(np.float32)
+    assert_close(cache.attention(0, q, [sid], q_lens=[64]), reference(cache, 0, q, [sid], [64]))
+
+
 def test_one_long_prefill_split_over_threads(make_cache, isa, two_threads):
     """Few row tiles and many keys: the keys are split into chunks merged by log-sum-exp."""
     cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=300,
@@ -48,7 +63,7 @@ def test_one_long_prefill_split_over_threads(make_cache, isa, two_threads):
     assert_close(cache.attention(0, q, [sid], q_lens=[24]), reference(cache, 0, q, [sid], [24]))
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_prefill_llama_shape_with_bf16_exact_heads(make_cache, isa, two_threads, dtype):
     """The tiles skip the lo half of q for a head whose q values are all exactly bf16 (a
     bf16 model's), and keep it for the others: here kv heads 0, 2, 5 get bf16-exact q, the
@@ -72,9 +87,10 @@ def test_prefill_llama_shape_with_bf16_exact_heads(make_cache, isa, two_threads,
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="this CPU has no AMX-BF16 (the tile path)")
-def test_tile_path_is_the_one_taken_and_agrees_with_avx512(make_cache):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_tile_path_is_the_one_taken_and_agrees_with_avx512(make_cache, dtype):
     cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=64,
-                       block_size=16, dtype="float16")
+                       block_size=16, dtype=dtype)
     rng = np.random.default_rng(4)
     sid = cache.create_sequence()
     fill(cache, sid, 600, rng)
@@ -92,7 +108,7 @@ def test_tile_path_is_the_one_taken_and_agrees_with_avx512(make_cache):
     assert np.abs(fma - tiles).max() < 2e-5
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("bad", [-7, 10 ** 6])
 def test_corrupt_block_table_in_a_prefill_is_segment_error(make_cache, isa, dtype, bad):
     """A block id read from shared memory is checked on the tile path too (the tile state
@@ -149,8 +165,8 @@ def test_gemm_item_agrees_with_row_item(make_cache, isa, two_threads, rows_item,
     gemm = cache.attention(0, q, sids, q_lens=q_lens)
     assert_close(by_rows, want)
     assert_close(gemm, want)
-    # the AMX tiles take float16/bfloat16 rows where head_dim is a multiple of 32
-    tiles = isa == "amx" and dtype in ("float16", "bfloat16") and d % 32 == 0
+    # the AMX tiles take float32/float16/bfloat16 rows where head_dim is a multiple of 32
+    tiles = isa == "amx" and dtype in ("float32", "float16", "bfloat16") and d % 32 == 0
     if isa == "scalar" or tiles:    # the row item (or the tiles) either way
         assert np.array_equal(gemm, by_rows)
     else:

@@ -17,12 +17,19 @@
  *                                              rescaled only when a column's max moves)
  * Scores are q.k times scale * log2(e) (applied to S, so q goes to the tiles as given), in
  * log2 units, so the softmax is 2^x; m goes out in e units.
- * Precision: AMX multiplies bf16.  Where an operand is not exactly bf16 it is split, x = hi +
- * lo with hi = bf16(x), lo = bf16(x - hi) (both rounded), and the products hi.hi + hi.lo +
- * lo.hi summed in fp32: q where any value of the head is not bf16 (a bf16 model's q is, and
- * skips its lo products), P always (16 significant bits kept, ~2^-17 relative), K and V of a
- * float16 pool (11 bits: hi + lo is exact).  bf16 pools are exact as stored.  So the result
- * is within fp32-accumulation error of the float64 reference, like the FMA paths.
+ * Precision: AMX multiplies bf16.  An operand that is not exactly bf16 is split into bf16
+ * pieces, x = x0 + x1 (+ x2), x0 = bf16(x), x1 = bf16(x - x0), x2 = bf16(x - x0 - x1), all
+ * rounded (each piece at most 2^-9 of the one before), and the products of pieces summed in
+ * fp32.  q goes in three pieces (a bf16 model's q is exact in one and skips the others), K
+ * and V as stored (bf16), in two (float16: exact) or three (float32: 24 bits, exact).
+ * - S = q.K keeps every product of pieces i, j with i + j <= 2, so what it leaves out is
+ *   ~2^-27 of q.k: an error in a score is an absolute error in the exponent, |s| times the
+ *   relative one, and with first-order products only (i + j <= 1, the item before) a sharp
+ *   softmax (scores spread ~8) was off by 2.3e-5 in float16, past the tests' 2e-5.
+ * - P goes in two pieces (16 bits, ~2^-18 relative) times V's first piece, and P's first
+ *   piece times each further piece of V, so a row that sees one key (p = 1) returns its v
+ *   exactly; the products left out (P lo . V lo) are ~2^-18 of p.v.  An error in a weight
+ *   is not amplified: the result stays within ~2x the FMA paths' error (RESULTS_attention_21).
  */
 #if SHMKV_HAVE_X86
 #include <cpuid.h>
@@ -81,6 +88,16 @@ SHMKV_AMX_TGT static inline void shmkv_amx_split(__m512 x, __m256i *hi, __m256i 
     *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, shmkv_amx_bf2f(h)));
 }
 
+/* three bf16 pieces of 16 floats, each rounded: x - (p0 + p1 + p2) is at most 2^-27 of x */
+SHMKV_AMX_TGT static inline void shmkv_amx_split3(__m512 x, __m256i *p0, __m256i *p1, __m256i *p2) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    const __m512 r = _mm512_sub_ps(x, shmkv_amx_bf2f(h));
+    const __m256i m = (__m256i)_mm512_cvtneps_pbh(r);
+    *p0 = h;
+    *p1 = m;
+    *p2 = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(r, shmkv_amx_bf2f(m)));
+}
+
 /* r[0..15] <- its transpose (16 x 16 floats) */
 SHMKV_AMX_TGT static inline __attribute__((always_inline)) void shmkv_amx_tr16(__m512 *r) {
     __m512 t[16];
@@ -108,8 +125,9 @@ SHMKV_AMX_TGT static inline __attribute__((always_inline)) void shmkv_amx_tr16(_
     }
 }
 
-/* 16 elements of a pool row (F16 or BF16) as floats */
+/* 16 elements of a pool row (F32, F16 or BF16) as floats */
 SHMKV_AMX_TGT static inline __m512 shmkv_amx_ld(const uint8_t *p, int dt) {
+    if (dt == SHMKV_ATT_F32) return _mm512_loadu_ps(p);
     const __m256i x = _mm256_loadu_si256((const __m256i *)p);
     return dt == SHMKV_ATT_F16 ? _mm512_cvtph_ps(x) : shmkv_amx_bf2f(x);
 }
@@ -118,9 +136,9 @@ SHMKV_AMX_TGT static inline __m512 shmkv_amx_ld(const uint8_t *p, int dt) {
                                           before the next chunk (see the item) */
 #define SHMKV_AMX_STATE (1u << 20)     /* bytes of per-head state a head group may keep */
 
-/* Heads per group: as many as keep their state (Q^T hi + lo, O, m, l) in SHMKV_AMX_STATE. */
+/* Heads per group: as many as keep their state (Q^T's 3 pieces, O, m, l) in SHMKV_AMX_STATE. */
 static uint32_t shmkv_amx_heads(uint32_t nqh, uint32_t d, uint32_t hkv) {
-    const size_t nq = ((size_t)nqh + 15) / 16 * 16, per = nq * d * 8 + nq * 8;
+    const size_t nq = ((size_t)nqh + 15) / 16 * 16, per = nq * d * 10 + nq * 8;
     const size_t hg = SHMKV_AMX_STATE / per;
     return hg < 1 ? 1 : hg > hkv ? hkv : (uint32_t)hg;
 }
@@ -128,9 +146,9 @@ static uint32_t shmkv_amx_heads(uint32_t nqh, uint32_t d, uint32_t hkv) {
 /* Scratch floats the AMX item needs beyond the FMA item's, for nqh query vectors per head. */
 static size_t shmkv_amx_scratch(uint32_t nqh, uint32_t d, uint32_t hkv) {
     const size_t nq = ((size_t)nqh + 15) / 16 * 16, hg = shmkv_amx_heads(nqh, d, hkv);
-    return hg * (2 * nq * d / 2           /* per head: Q^T hi, lo (bf16, as floats) */
+    return hg * (3 * nq * d / 2           /* per head: Q^T in up to 3 bf16 pieces (as floats) */
                  + nq * d + 2 * nq)       /*           O, m, l */
-         + 4 * SHMKV_AMX_KS * (size_t)d / 2   /* K hi, lo; V hi, lo packed */
+         + 6 * SHMKV_AMX_KS * (size_t)d / 2   /* K's, V's pieces (up to 3 each) packed */
          + 2 * SHMKV_AMX_KS * 16 + 16 * 32 + 16 * 16   /* S^T of two tiles, P hi+lo, spare */
          + 2 * nq + 64;                   /* alpha, lim */
 }
@@ -152,14 +170,14 @@ static inline void shmkv_amx_pf_next(shmkv_amx_pf_t *c) {
 }
 
 /* The step's online softmax and O += P.V for the 16 query vectors at q0, from their scores
- * st = S^T [32 keys][16 q] (raw q.k: times sc makes log2 units).  Tiles 6, 7 take P hi, lo;
- * O goes through tiles 5 and 0 and V through 2 and 4 (float16's V lo: 1 and 3), two
- * independent accumulations in flight: a tile's dot products are latency-bound alone. */
+ * st = S^T [32 keys][16 q] (raw q.k: times sc makes log2 units), V in npc pieces.  Tiles 6,
+ * 7 take P hi, lo; O goes through tiles 5 and 0 and V's pieces through 2 and 4, 1 and 3,
+ * then 2 and 4 again: two independent accumulations in flight, since a tile's dot products
+ * are latency-bound alone. */
 SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint32_t ts, uint32_t nt,
                                               __m512 sc, const int32_t *lim, float *O, float *m,
                                               float *l, float *alpha, uint16_t *phi, uint16_t *plo,
-                                              const uint16_t *vhi, const uint16_t *vlo, uint32_t d,
-                                              int f16) {
+                                              uint16_t *const *vp, uint32_t d, int npc) {
     __m512 s[SHMKV_AMX_KS];
     const __m512i limv = _mm512_loadu_si512(lim + q0);
     const int full = (int64_t)ts + nt <= lim[q0];      /* lim grows with the vector index */
@@ -206,7 +224,7 @@ SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint
     }
     _mm512_storeu_ps(m + q0, mn);
     /* P [16 q][32 keys] = (S^T)^T, split hi + lo (hi rounded: lo is then at most 2^-9 of
-     * p, and the products left out, P lo . V lo of a float16 pool, at most 2^-18) */
+     * p, and the products left out, P lo . V's further pieces, at most 2^-18) */
     shmkv_amx_tr16(s);
     shmkv_amx_tr16(s + 16);
     for (uint32_t c = 0; c < 16; c++) {
@@ -217,7 +235,9 @@ SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint
         _mm512_storeu_si512(plo + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(
             _mm512_sub_ps(s[16 + c], h1), _mm512_sub_ps(s[c], h0)));
     }
-    /* O += P . V, 32 columns of d at a time in two accumulations */
+    /* O += P . V, 32 columns of d at a time in two accumulations: P hi . V0, P lo . V0, and
+     * P hi . each further piece of V (so a row that sees one key, p = 1, returns its v
+     * exactly) */
     const long vs = (long)(4 * d);
     _tile_loadd(6, phi, 64);
     _tile_loadd(7, plo, 64);
@@ -225,24 +245,30 @@ SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint
         float *o0 = O + (size_t)q0 * d + x, *o1 = o0 + 16;
         _tile_loadd(5, o0, vs);
         _tile_loadd(0, o1, vs);
-        _tile_loadd(2, vhi + 2 * x, vs);
-        _tile_loadd(4, vhi + 2 * x + 32, vs);
+        _tile_loadd(2, vp[0] + 2 * x, vs);
+        _tile_loadd(4, vp[0] + 2 * x + 32, vs);
         _tile_dpbf16ps(5, 6, 2);
         _tile_dpbf16ps(0, 6, 4);
         _tile_dpbf16ps(5, 7, 2);
         _tile_dpbf16ps(0, 7, 4);
-        if (f16) {
-            _tile_loadd(1, vlo + 2 * x, vs);
-            _tile_loadd(3, vlo + 2 * x + 32, vs);
+        if (npc > 1) {
+            _tile_loadd(1, vp[1] + 2 * x, vs);
+            _tile_loadd(3, vp[1] + 2 * x + 32, vs);
             _tile_dpbf16ps(5, 6, 1);
             _tile_dpbf16ps(0, 6, 3);
+        }
+        if (npc > 2) {
+            _tile_loadd(2, vp[2] + 2 * x, vs);
+            _tile_loadd(4, vp[2] + 2 * x + 32, vs);
+            _tile_dpbf16ps(5, 6, 2);
+            _tile_dpbf16ps(0, 6, 4);
         }
         _tile_stored(5, o0, vs);
         _tile_stored(0, o1, vs);
     }
 }
 
-/* The item on tiles (kv dtype F16 or BF16, d % 32 == 0, d <= 512).  Same contract as
+/* The item on tiles (kv dtype F32, F16 or BF16, d % 32 == 0, d <= 512).  Same contract as
  * shmkv_att_item_*, except that qf comes unscaled (the scale is applied to the scores, so a
  * q that is exactly bf16 -- a bf16 model's -- needs no lo half): acc [nqv][d], m [nqv],
  * l [nqv] after it; 0 or -1 (corrupt block id).
@@ -255,30 +281,39 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                                             float *qf, float *acc, uint32_t nqv, float *xs) {
     const uint32_t d = a->d, G = a->hq / a->hkv, nqh = it->nrows * G;
     const uint32_t nqt = (nqh + 15) / 16, nq = nqt * 16;
-    const int dt = a->kv_dtype, f16 = dt == SHMKV_ATT_F16;
+    const int dt = a->kv_dtype, split = dt != SHMKV_ATT_BF16;   /* K, V split in pieces */
+    /* bf16 pieces of K and V (see the top) */
+    const int npc = dt == SHMKV_ATT_F32 ? 3 : split ? 2 : 1;
     float *m_out = acc + (size_t)nqv * d, *l_out = m_out + nqv;
     const uint32_t L = a->seq_lens[it->seq], ql = a->q_lens[it->seq];
     const uint32_t first = L - ql + it->row0;
     const uint32_t tend = first + it->nrows;                /* keys the last row sees */
     const uint32_t tlast = it->t1 < tend ? it->t1 : tend;
     const int32_t *table = a->tables[it->seq];
-    const size_t tok = (size_t)a->hkv * d * 2, hstride = (size_t)d * 2;
+    const size_t es = dt == SHMKV_ATT_F32 ? 4 : 2;           /* pool bytes per element */
+    const size_t tok = (size_t)a->hkv * d * es, hstride = (size_t)d * es;
+    const size_t prow = (size_t)d * 2;                      /* a packed bf16 row's bytes */
     const __m512 sc = _mm512_set1_ps(a->scale * 1.44269504088896f);   /* to log2 units */
     const uint32_t HG = shmkv_amx_heads(nqh, d, a->hkv);
     const size_t qsz = (size_t)nq * d;
-    /* scratch, 64-byte pieces: per head of a group Q^T hi, lo [2][nq * d] bf16, O, m, l */
+    /* scratch, 64-byte pieces: per head of a group Q^T's pieces [3][nq * d] bf16, O, m, l */
     uint16_t *Qs = (uint16_t *)xs;
-    float *Os = (float *)(Qs + 2 * HG * qsz), *ms = Os + HG * qsz, *ls = ms + (size_t)HG * nq;
-    uint16_t *khi = (uint16_t *)(ls + (size_t)HG * nq), *klo = khi + SHMKV_AMX_KS * d;
-    uint16_t *vhi = klo + SHMKV_AMX_KS * d, *vlo = vhi + SHMKV_AMX_KS * d;
-    float *st = (float *)(vlo + SHMKV_AMX_KS * d);      /* S^T [2 tiles][32][16] */
+    float *Os = (float *)(Qs + 3 * HG * qsz), *ms = Os + HG * qsz, *ls = ms + (size_t)HG * nq;
+    /* K's pieces [3][32][d], V's [3][16 pairs][d][2], bf16 */
+    uint16_t *kp[3], *vp[3];
+    for (int i = 0; i < 3; i++) {
+        kp[i] = (uint16_t *)(ls + (size_t)HG * nq) + (size_t)i * SHMKV_AMX_KS * d;
+        vp[i] = kp[0] + (size_t)(3 + i) * SHMKV_AMX_KS * d;
+    }
+    uint16_t *const khi = kp[0];
+    float *st = (float *)(vp[2] + SHMKV_AMX_KS * d);    /* S^T [2 tiles][32][16] */
     uint16_t *phi = (uint16_t *)(st + 2 * SHMKV_AMX_KS * 16), *plo = phi + 16 * 32;
     float *alpha = (float *)(plo + 16 * 32) + 256;
     int32_t *lim = (int32_t *)(alpha + nq);
     size_t cs[2][SHMKV_AMX_KC], rows[SHMKV_AMX_KS];     /* a chunk's slots; a step's rows */
-    /* per head of a group: q has a lo half (a head's state is at least 16 x 32 x 8 bytes,
-     * so SHMKV_AMX_STATE / 4096 bounds HG) */
-    uint8_t qlo_on[SHMKV_AMX_STATE / 4096];
+    /* per head of a group: q's pieces that are not all 0 (a head's state is at least
+     * 16 x 32 x 10 bytes, so SHMKV_AMX_STATE / 4096 bounds HG) */
+    uint8_t qn[SHMKV_AMX_STATE / 4096];
 
     shmkv_amx_config(8);
 
@@ -293,33 +328,33 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
     for (uint32_t h0 = 0; h0 < a->hkv; h0 += HG) {
         const uint32_t hn = a->hkv - h0 < HG ? a->hkv - h0 : HG;
         for (uint32_t hh = 0; hh < hn; hh++) {
-            /* Q^T of the head in the pairs layout [tile][d/2][16 q][2], split hi + lo: per
-             * tile and 32 dims, 16 rows of 16 dim pairs (one dword each) transposed.
-             * Where every lo is 0 (q exactly bf16), the lo products are skipped. */
-            uint16_t *qhi = Qs + 2 * hh * qsz, *qlo = qhi + qsz;
-            __m512i lor = _mm512_setzero_si512();
-            for (uint32_t q0 = 0; q0 < nq; q0 += 16)
-                for (uint32_t x = 0; x < d; x += 32) {
-                    __m512 rh[16], rl[16];
-                    for (uint32_t c = 0; c < 16; c++) {
-                        if (q0 + c >= nqh) { rh[c] = rl[c] = _mm512_setzero_ps(); continue; }
-                        const float *q = qf + ((size_t)(h0 + hh) * nqh + q0 + c) * d + x;
-                        __m256i h0v, l0, h1, l1;
-                        shmkv_amx_split(_mm512_loadu_ps(q), &h0v, &l0);
-                        shmkv_amx_split(_mm512_loadu_ps(q + 16), &h1, &l1);
-                        rh[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(h0v), h1, 1));
-                        rl[c] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1));
-                        lor = _mm512_or_si512(lor, _mm512_castps_si512(rl[c]));
+            /* Q^T of the head in the pairs layout [tile][d/2][16 q][2], in three pieces:
+             * per piece, tile and 32 dims, 16 rows of 16 dim pairs (one dword each)
+             * transposed.  Products with a piece that is all 0 (q exactly bf16: every piece
+             * past the first) are skipped. */
+            uint16_t *qh = Qs + 3 * hh * qsz;
+            qn[hh] = 1;
+            for (int pc = 0; pc < 3; pc++) {
+                __m512i nz = _mm512_setzero_si512();
+                for (uint32_t q0 = 0; q0 < nq; q0 += 16)
+                    for (uint32_t x = 0; x < d; x += 32) {
+                        __m512 r[16];
+                        for (uint32_t c = 0; c < 16; c++) {
+                            if (q0 + c >= nqh) { r[c] = _mm512_setzero_ps(); continue; }
+                            const float *q = qf + ((size_t)(h0 + hh) * nqh + q0 + c) * d + x;
+                            __m256i a3[3], b3[3];
+                            shmkv_amx_split3(_mm512_loadu_ps(q), a3, a3 + 1, a3 + 2);
+                            shmkv_amx_split3(_mm512_loadu_ps(q + 16), b3, b3 + 1, b3 + 2);
+                            r[c] = _mm512_castsi512_ps(
+                                _mm512_inserti64x4(_mm512_castsi256_si512(a3[pc]), b3[pc], 1));
+                            nz = _mm512_or_si512(nz, _mm512_castps_si512(r[c]));
+                        }
+                        shmkv_amx_tr16(r);
+                        uint16_t *o = qh + (size_t)pc * qsz + (size_t)q0 * d + (size_t)x * 16;
+                        for (uint32_t i = 0; i < 16; i++) _mm512_storeu_ps((float *)(o + 32 * i), r[i]);
                     }
-                    shmkv_amx_tr16(rh);
-                    shmkv_amx_tr16(rl);
-                    const size_t o = (size_t)q0 * d + (size_t)x * 16;   /* 16 rows of 32 bf16 */
-                    for (uint32_t i = 0; i < 16; i++) {
-                        _mm512_storeu_ps((float *)(qhi + o + 32 * i), rh[i]);
-                        _mm512_storeu_ps((float *)(qlo + o + 32 * i), rl[i]);
-                    }
-                }
-            qlo_on[hh] = _mm512_test_epi32_mask(lor, lor) != 0;
+                if (_mm512_test_epi32_mask(nz, nz)) qn[hh] = (uint8_t)(pc + 1);
+            }
             for (uint32_t v = 0; v < nq; v++) { ms[hh * nq + v] = -INFINITY; ls[hh * nq + v] = 0; }
             memset(Os + hh * qsz, 0, qsz * sizeof(float));
         }
@@ -335,13 +370,18 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
             if (ncn && shmkv_att_slots(a, table, tcn, ncn, cs[cw ^ 1])) { rc = -1; goto done; }
             for (uint32_t hh = 0; hh < hn; hh++) {
                 const uint32_t h = h0 + hh;
-                const uint16_t *qhi = Qs + 2 * hh * qsz, *qlo = qhi + qsz;
+                const uint16_t *qh = Qs + 3 * hh * qsz;
                 float *O = Os + hh * qsz, *m = ms + (size_t)hh * nq, *l = ls + (size_t)hh * nq;
-                /* the products summed into S^T: qhi.khi, then qlo.khi, then qhi.klo */
-                const uint16_t *tq[3] = {qhi, qhi, qhi};
-                int nterm = 1, kterm[3] = {0, 0, 0};
-                if (qlo_on[hh]) tq[nterm++] = qlo;
-                if (f16) kterm[nterm++] = 1;
+                /* the products summed into S^T: q's piece i times K's piece j for i + j up
+                 * to 2, the largest first (every product down to 2^-18 of q.k) */
+                const uint16_t *tq[6];
+                int nterm = 0, kterm[6];
+                for (int o = 0; o <= 2; o++)
+                    for (int i = 0; i <= o; i++)
+                        if (i < qn[hh] && o - i < npc) {
+                            tq[nterm] = qh + (size_t)i * qsz;
+                            kterm[nterm++] = o - i;
+                        }
                 for (uint32_t ts = tc; ts < tc + nc; ts += SHMKV_AMX_KS) {
                     const uint32_t nt = tc + nc - ts < SHMKV_AMX_KS ? tc + nc - ts : SHMKV_AMX_KS;
                     /* the rows to bring in while this step computes: the chunk's next
@@ -360,45 +400,46 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                     for (uint32_t j = 0; j < nt; j++) rows[j] = cs[cw][ts - tc + j] * tok + h * hstride;
                     /* K of a bfloat16 pool is loaded onto the tiles straight from the pool
                      * where a half step's 16 rows are evenly spaced (one block's rows: tok
-                     * bytes apart), else packed; float16 K is split hi + lo, packed */
+                     * bytes apart), else packed; float16/float32 K is split, packed */
                     const uint8_t *kt[2];
                     long kts[2];
                     int kdir[2];
                     for (uint32_t half = 0; half < 2; half++) {
                         const uint32_t j0 = 16 * half;
-                        int direct = !f16 && j0 + 16 <= nt;
+                        int direct = !split && j0 + 16 <= nt;
                         for (uint32_t j = j0 + 1; direct && j < j0 + 16; j++)
                             direct = rows[j] - rows[j - 1] == tok;
                         kt[half] = direct ? a->kpool + rows[j0] : (const uint8_t *)(khi + (size_t)j0 * d);
-                        kts[half] = direct ? (long)tok : (long)hstride;
+                        kts[half] = direct ? (long)tok : (long)prow;
                         kdir[half] = direct;
                     }
-                    /* K [32][d] bf16 (hi, and lo for float16) where not direct; V packed in
-                     * key pairs: [16 pairs][d][2]; rows past nt are zeros */
+                    /* K's pieces [32][d] bf16 where not direct; V's packed in key pairs:
+                     * [16 pairs][d][2]; rows past nt are zeros */
                     for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
                         if (kdir[j / 16]) continue;                     /* read from the pool */
-                        uint16_t *kh = khi + (size_t)j * d, *kl = klo + (size_t)j * d;
+                        const size_t ko = (size_t)j * d;
                         if (j >= nt) {
-                            memset(kh, 0, hstride);
-                            if (f16) memset(kl, 0, hstride);
+                            for (int pc = 0; pc < npc; pc++) memset(kp[pc] + ko, 0, prow);
                             continue;
                         }
                         const uint8_t *kr = a->kpool + rows[j];
-                        if (!f16) { memcpy(kh, kr, hstride); continue; }
+                        if (!split) { memcpy(kp[0] + ko, kr, prow); continue; }
                         for (uint32_t x = 0; x < d; x += 16) {
-                            __m256i hi, lo;
-                            shmkv_amx_split(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kr + 2 * x))),
-                                            &hi, &lo);
-                            _mm256_storeu_si256((__m256i *)(kh + x), hi);
-                            _mm256_storeu_si256((__m256i *)(kl + x), lo);
+                            __m256i pc[3];
+                            const __m512 kx = shmkv_amx_ld(kr + es * x, dt);
+                            if (npc == 3) shmkv_amx_split3(kx, pc, pc + 1, pc + 2);
+                            else shmkv_amx_split(kx, pc, pc + 1);
+                            for (int i = 0; i < npc; i++)
+                                _mm256_storeu_si256((__m256i *)(kp[i] + ko + x), pc[i]);
                         }
                     }
                     for (uint32_t p = 0; p < SHMKV_AMX_KS / 2; p++) {
                         const uint32_t j0 = 2 * p, j1 = 2 * p + 1;
                         const uint8_t *v0 = j0 < nt ? a->vpool + rows[j0] : NULL;
                         const uint8_t *v1 = j1 < nt ? a->vpool + rows[j1] : NULL;
-                        uint16_t *vh = vhi + (size_t)p * 2 * d, *vl = vlo + (size_t)p * 2 * d;
-                        if (!f16) {                     /* bf16 as stored: interleave the words */
+                        const size_t vo = (size_t)p * 2 * d;
+                        uint16_t *vh = vp[0] + vo;
+                        if (!split) {                   /* bf16 as stored: interleave the words */
                             for (uint32_t x = 0; x < d; x += 16) {
                                 const __m256i w0 = v0 ? _mm256_loadu_si256((const __m256i *)(v0 + 2 * x))
                                                       : _mm256_setzero_si256();
@@ -410,15 +451,19 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                             continue;
                         }
                         for (uint32_t x = 0; x < d; x += 16) {
-                            const __m512 a0 = v0 ? shmkv_amx_ld(v0 + 2 * x, dt) : _mm512_setzero_ps();
-                            const __m512 a1 = v1 ? shmkv_amx_ld(v1 + 2 * x, dt) : _mm512_setzero_ps();
-                            __m256i h0v, l0, h1, l1;
-                            shmkv_amx_split(a0, &h0v, &l0);
-                            shmkv_amx_split(a1, &h1, &l1);
-                            _mm512_storeu_si512(vh + 2 * x, _mm512_permutex2var_epi16(
-                                _mm512_castsi256_si512(h0v), ilv, _mm512_castsi256_si512(h1)));
-                            _mm512_storeu_si512(vl + 2 * x, _mm512_permutex2var_epi16(
-                                _mm512_castsi256_si512(l0), ilv, _mm512_castsi256_si512(l1)));
+                            const __m512 a0 = v0 ? shmkv_amx_ld(v0 + es * x, dt) : _mm512_setzero_ps();
+                            const __m512 a1 = v1 ? shmkv_amx_ld(v1 + es * x, dt) : _mm512_setzero_ps();
+                            __m256i p0[3], p1[3];
+                            if (npc == 3) {
+                                shmkv_amx_split3(a0, p0, p0 + 1, p0 + 2);
+                                shmkv_amx_split3(a1, p1, p1 + 1, p1 + 2);
+                            } else {
+                                shmkv_amx_split(a0, p0, p0 + 1);
+                                shmkv_amx_split(a1, p1, p1 + 1);
+                            }
+                            for (int i = 0; i < npc; i++)
+                                _mm512_storeu_si512(vp[i] + vo + 2 * x, _mm512_permutex2var_epi16(
+                                    _mm512_castsi256_si512(p0[i]), ilv, _mm512_castsi256_si512(p1[i])));
                         }
                     }
                     const int two = nt > 16;
@@ -459,8 +504,9 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                                 shmkv_amx_pf_next(&pf);
                             for (int term = 0; term < nterm; term++) {
                                 if (kterm[term]) {
-                                    _tile_loadd(2, klo + x, (long)hstride);
-                                    if (two) _tile_loadd(4, klo + 16 * d + x, (long)hstride);
+                                    const uint16_t *kk = kp[kterm[term]];
+                                    _tile_loadd(2, kk + x, (long)prow);
+                                    if (two) _tile_loadd(4, kk + 16 * d + x, (long)prow);
                                 } else {
                                     _tile_loadd(2, kt[0] + 2 * x, kts[0]);
                                     if (two) _tile_loadd(4, kt[1] + 2 * x, kts[1]);
@@ -483,7 +529,7 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                         }
                         for (uint32_t i = 0; i < na; i++)
                             shmkv_amx_pv(st + 512 * i, act[i] * 16, ts, nt, sc, lim, O, m, l, alpha,
-                                         phi, plo, vhi, vlo, d, f16);
+                                         phi, plo, vp, d, npc);
                     }
                 }
             }
