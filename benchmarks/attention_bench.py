@@ -486,7 +486,7 @@ def main(argv=None):
     dtypes = ["float16", "bfloat16"]
     sizes = [(2, 1024), (1, 4096)] if quick else [(8, 4096), (1, 32768)]
     results = []
-    pdtypes = ["float32"] + dtypes          # float32: the FMA paths only
+    pdtypes = ["float32"] + dtypes          # prefill: float32 as well (tiles or FMA item)
     if args.prefill_only:
         pf = (1024, 128) if quick else (4096, 512)
         for dt in pdtypes:
