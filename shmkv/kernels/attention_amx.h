@@ -373,15 +373,15 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                 const uint16_t *qh = Qs + 3 * hh * qsz;
                 float *O = Os + hh * qsz, *m = ms + (size_t)hh * nq, *l = ls + (size_t)hh * nq;
                 /* the products summed into S^T: q's piece i times K's piece j for i + j up
-                 * to 2, the largest first (every product down to 2^-18 of q.k) */
+                 * to 2 (every product down to 2^-18 of q.k), by K's piece: each of K's
+                 * tiles is loaded once for all the q pieces it meets */
                 const uint16_t *tq[6];
                 int nterm = 0, kterm[6];
-                for (int o = 0; o <= 2; o++)
-                    for (int i = 0; i <= o; i++)
-                        if (i < qn[hh] && o - i < npc) {
-                            tq[nterm] = qh + (size_t)i * qsz;
-                            kterm[nterm++] = o - i;
-                        }
+                for (int j = 0; j < npc; j++)
+                    for (int i = 0; i + j <= 2 && i < qn[hh]; i++) {
+                        tq[nterm] = qh + (size_t)i * qsz;
+                        kterm[nterm++] = j;
+                    }
                 for (uint32_t ts = tc; ts < tc + nc; ts += SHMKV_AMX_KS) {
                     const uint32_t nt = tc + nc - ts < SHMKV_AMX_KS ? tc + nc - ts : SHMKV_AMX_KS;
                     /* the rows to bring in while this step computes: the chunk's next
@@ -503,7 +503,9 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                             for (uint32_t e = pfc + pfper < pft ? pfc + pfper : pft; pfc < e; pfc++)
                                 shmkv_amx_pf_next(&pf);
                             for (int term = 0; term < nterm; term++) {
-                                if (kterm[term]) {
+                                if (term && kterm[term] == kterm[term - 1]) {
+                                    /* K's piece is on tiles 2, 4 already */
+                                } else if (kterm[term]) {
                                     const uint16_t *kk = kp[kterm[term]];
                                     _tile_loadd(2, kk + x, (long)prow);
                                     if (two) _tile_loadd(4, kk + 16 * d + x, (long)prow);
