@@ -37,7 +37,7 @@ def test_prefill_tiles_match_reference(make_cache, isa, two_threads, dtype, d, h
                  reference(cache, 0, q, sids, q_lens))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "float8_e4m3"])
 def test_prefill_with_a_sharp_softmax(make_cache, isa, two_threads, dtype):
     """Scores spread ~8 (K scaled by 8): an error in a score is an absolute error in its
     exponent, |s| times the relative one, so the tiles must keep q.k's second-order
@@ -108,7 +108,7 @@ def test_tile_path_is_the_one_taken_and_agrees_with_avx512(make_cache, dtype):
     assert np.abs(fma - tiles).max() < 2e-5
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
 @pytest.mark.parametrize("bad", [-7, 10 ** 6])
 def test_corrupt_block_table_in_a_prefill_is_segment_error(make_cache, isa, dtype, bad):
     """A block id read from shared memory is checked on the tile path too (the tile state
@@ -165,8 +165,8 @@ def test_gemm_item_agrees_with_row_item(make_cache, isa, two_threads, rows_item,
     gemm = cache.attention(0, q, sids, q_lens=q_lens)
     assert_close(by_rows, want)
     assert_close(gemm, want)
-    # the AMX tiles take float32/float16/bfloat16 rows where head_dim is a multiple of 32
-    tiles = isa == "amx" and dtype in ("float32", "float16", "bfloat16") and d % 32 == 0
+    # the AMX tiles take every pool's rows where head_dim is a multiple of 32
+    tiles = isa == "amx" and d % 32 == 0
     if isa == "scalar" or tiles:    # the row item (or the tiles) either way
         assert np.array_equal(gemm, by_rows)
     else:

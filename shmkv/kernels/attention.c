@@ -123,12 +123,10 @@ static inline int shmkv_att_slots(const shmkv_attn_args_t *a, const int32_t *tab
     return 0;
 }
 
-/* Prefill rows of this pool go to the AMX tiles under this ISA (float32/float16/bfloat16
- * pools, head_dim a multiple of 32); the item then needs nrows > 1 as well. */
+/* Prefill rows go to the AMX tiles under this ISA (every pool dtype: quantized pools' codes
+ * are exact in bf16; head_dim a multiple of 32); the item then needs nrows > 1 as well. */
 static inline int shmkv_att_tiles(const shmkv_attn_args_t *a, int isa) {
-    return isa >= SHMKV_ISA_AMX && a->d % 32 == 0 &&
-           (a->kv_dtype == SHMKV_ATT_F32 || a->kv_dtype == SHMKV_ATT_F16 ||
-            a->kv_dtype == SHMKV_ATT_BF16);
+    return isa >= SHMKV_ISA_AMX && a->d % 32 == 0;
 }
 
 /* Offset, in elements, of query/output vector (row r, kv head h, group member g) of an item,
@@ -605,7 +603,7 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     const shmkv_attn_args_t *a = j->a;
     const shmkv_item_t *it = &j->items[i];
     const uint32_t G = a->hq / a->hkv, nqv = it->nrows * a->hq, d = a->d;
-    /* prefill rows of a float32/float16/bfloat16 pool go to the tiles where the CPU has them */
+    /* prefill rows go to the tiles where the CPU has them */
     const int amx = SHMKV_HAVE_X86 && it->nrows > 1 && shmkv_att_tiles(a, shmkv_att_isa_now);
     /* other prefill rows, enough query vectors to fill the lanes: the GEMM-shaped item */
     const int gemm = !amx && shmkv_att_gemm != NULL && it->nrows > 1 && it->nrows * G >= GEMM_MIN_QV;

@@ -21,7 +21,9 @@
  * pieces, x = x0 + x1 (+ x2), x0 = bf16(x), x1 = bf16(x - x0), x2 = bf16(x - x0 - x1), all
  * rounded (each piece at most 2^-9 of the one before), and the products of pieces summed in
  * fp32.  q goes in three pieces (a bf16 model's q is exact in one and skips the others), K
- * and V as stored (bf16), in two (float16: exact) or three (float32: 24 bits, exact).
+ * and V as stored (bf16), in two (float16: exact) or three (float32: 24 bits, exact).  A
+ * quantized pool's K and V go as their codes (int8, and e4m3's values, are exact in bf16);
+ * K's per-key scale multiplies the raw scores, V's the weights (P then in three pieces).
  * - S = q.K keeps every product of pieces i, j with i + j <= 2, so what it leaves out is
  *   ~2^-27 of q.k: an error in a score is an absolute error in the exponent, |s| times the
  *   relative one, and with first-order products only (i + j <= 1, the item before) a sharp
@@ -125,9 +127,10 @@ SHMKV_AMX_TGT static inline __attribute__((always_inline)) void shmkv_amx_tr16(_
     }
 }
 
-/* 16 elements of a pool row (F32, F16 or BF16) as floats */
+/* 16 elements of a pool row as floats (int8: the codes; e4m3: the codes' values / 2^8) */
 SHMKV_AMX_TGT static inline __m512 shmkv_amx_ld(const uint8_t *p, int dt) {
     if (dt == SHMKV_ATT_F32) return _mm512_loadu_ps(p);
+    if (SHMKV_QUANT(dt)) return vld_avx512(p, dt);
     const __m256i x = _mm256_loadu_si256((const __m256i *)p);
     return dt == SHMKV_ATT_F16 ? _mm512_cvtph_ps(x) : shmkv_amx_bf2f(x);
 }
@@ -149,7 +152,7 @@ static size_t shmkv_amx_scratch(uint32_t nqh, uint32_t d, uint32_t hkv) {
     return hg * (3 * nq * d / 2           /* per head: Q^T in up to 3 bf16 pieces (as floats) */
                  + nq * d + 2 * nq)       /*           O, m, l */
          + 6 * SHMKV_AMX_KS * (size_t)d / 2   /* K's, V's pieces (up to 3 each) packed */
-         + 2 * SHMKV_AMX_KS * 16 + 16 * 32 + 16 * 16   /* S^T of two tiles, P hi+lo, spare */
+         + 2 * SHMKV_AMX_KS * 16 + 16 * 32 + 16 * 16   /* S^T of two tiles, P's pieces */
          + 2 * nq + 64;                   /* alpha, lim */
 }
 
@@ -170,21 +173,25 @@ static inline void shmkv_amx_pf_next(shmkv_amx_pf_t *c) {
 }
 
 /* The step's online softmax and O += P.V for the 16 query vectors at q0, from their scores
- * st = S^T [32 keys][16 q] (raw q.k: times sc makes log2 units), V in npc pieces.  Tiles 6,
- * 7 take P hi, lo; O goes through tiles 5 and 0 and V's pieces through 2 and 4, 1 and 3,
- * then 2 and 4 again: two independent accumulations in flight, since a tile's dot products
- * are latency-bound alone. */
+ * st = S^T [32 keys][16 q] (raw q.k: times sc makes log2 units), V in npc pieces.  A
+ * quantized pool's K and V go to the tiles as their codes (exact in bf16): ksc, vsc are the
+ * step's per-key scales, which multiply the raw scores and the weights (else NULL).  Tiles 6,
+ * 7 take P hi, lo (1 the third piece of a quantized pool's); O goes through tiles 5 and 0
+ * and V's pieces through 2 and 4, 1 and 3, then 2 and 4 again: two independent accumulations
+ * in flight, since a tile's dot products are latency-bound alone. */
 SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint32_t ts, uint32_t nt,
                                               __m512 sc, const int32_t *lim, float *O, float *m,
                                               float *l, float *alpha, uint16_t *phi, uint16_t *plo,
-                                              uint16_t *const *vp, uint32_t d, int npc) {
+                                              uint16_t *const *vp, uint32_t d, int npc,
+                                              const float *ksc, const float *vsc) {
     __m512 s[SHMKV_AMX_KS];
     const __m512i limv = _mm512_loadu_si512(lim + q0);
     const int full = (int64_t)ts + nt <= lim[q0];      /* lim grows with the vector index */
     __m512 mt = _mm512_set1_ps(-INFINITY);
     for (uint32_t j = 0; j < SHMKV_AMX_KS; j++) {
         if (j >= nt) { s[j] = _mm512_set1_ps(-INFINITY); continue; }
-        s[j] = _mm512_mul_ps(_mm512_loadu_ps(st + 16 * j), sc);
+        s[j] = _mm512_mul_ps(_mm512_loadu_ps(st + 16 * j),
+                             ksc ? _mm512_mul_ps(sc, _mm512_set1_ps(ksc[j])) : sc);
         if (!full)                                     /* the causal diagonal */
             s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
                                       _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(ts + j))),
@@ -223,24 +230,36 @@ SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint
         _mm512_storeu_ps(l + q0, _mm512_add_ps(_mm512_loadu_ps(l + q0), sum));
     }
     _mm512_storeu_ps(m + q0, mn);
+    if (vsc)                        /* quantized V: its codes on the tiles, p times the scale */
+        for (uint32_t j = 0; j < nt; j++) s[j] = _mm512_mul_ps(s[j], _mm512_set1_ps(vsc[j]));
     /* P [16 q][32 keys] = (S^T)^T, split hi + lo (hi rounded: lo is then at most 2^-9 of
-     * p, and the products left out, P lo . V's further pieces, at most 2^-18) */
+     * p, and the products left out, P lo . V's further pieces, at most 2^-18).  A quantized
+     * pool's P (p times V's scale) goes in three pieces, at plo + 512: P is then exact, and
+     * a row that sees one key (p = 1) sums code . (s0 + s1), exact in fp32 (8 + 16 bits),
+     * plus code . s2, rounded once: its v, as gather returns it. */
     shmkv_amx_tr16(s);
     shmkv_amx_tr16(s + 16);
+    uint16_t *p3 = plo + 16 * 32;
     for (uint32_t c = 0; c < 16; c++) {
         const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(s[16 + c], s[c]);
         const __m512 h0 = shmkv_amx_bf2f(_mm512_castsi512_si256(hi));
         const __m512 h1 = shmkv_amx_bf2f(_mm512_extracti64x4_epi64(hi, 1));
         _mm512_storeu_si512(phi + 32 * c, hi);
-        _mm512_storeu_si512(plo + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(
-            _mm512_sub_ps(s[16 + c], h1), _mm512_sub_ps(s[c], h0)));
+        const __m512 r0 = _mm512_sub_ps(s[c], h0), r1 = _mm512_sub_ps(s[16 + c], h1);
+        const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(r1, r0);
+        _mm512_storeu_si512(plo + 32 * c, lo);
+        if (vsc)
+            _mm512_storeu_si512(p3 + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_sub_ps(r1, shmkv_amx_bf2f(_mm512_extracti64x4_epi64(lo, 1))),
+                _mm512_sub_ps(r0, shmkv_amx_bf2f(_mm512_castsi512_si256(lo)))));
     }
     /* O += P . V, 32 columns of d at a time in two accumulations: P hi . V0, P lo . V0, and
      * P hi . each further piece of V (so a row that sees one key, p = 1, returns its v
-     * exactly) */
+     * exactly); quantized: P hi, lo, third . the codes */
     const long vs = (long)(4 * d);
     _tile_loadd(6, phi, 64);
     _tile_loadd(7, plo, 64);
+    if (vsc) _tile_loadd(1, p3, 64);
     for (uint32_t x = 0; x < d; x += 32) {
         float *o0 = O + (size_t)q0 * d + x, *o1 = o0 + 16;
         _tile_loadd(5, o0, vs);
@@ -251,6 +270,10 @@ SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint
         _tile_dpbf16ps(0, 6, 4);
         _tile_dpbf16ps(5, 7, 2);
         _tile_dpbf16ps(0, 7, 4);
+        if (vsc) {                                  /* V is one piece: tile 1 is free */
+            _tile_dpbf16ps(5, 1, 2);
+            _tile_dpbf16ps(0, 1, 4);
+        }
         if (npc > 1) {
             _tile_loadd(1, vp[1] + 2 * x, vs);
             _tile_loadd(3, vp[1] + 2 * x + 32, vs);
@@ -268,7 +291,7 @@ SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint
     }
 }
 
-/* The item on tiles (kv dtype F32, F16 or BF16, d % 32 == 0, d <= 512).  Same contract as
+/* The item on tiles (every kv dtype, d % 32 == 0, d <= 512).  Same contract as
  * shmkv_att_item_*, except that qf comes unscaled (the scale is applied to the scores, so a
  * q that is exactly bf16 -- a bf16 model's -- needs no lo half): acc [nqv][d], m [nqv],
  * l [nqv] after it; 0 or -1 (corrupt block id).
@@ -281,7 +304,8 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                                             float *qf, float *acc, uint32_t nqv, float *xs) {
     const uint32_t d = a->d, G = a->hq / a->hkv, nqh = it->nrows * G;
     const uint32_t nqt = (nqh + 15) / 16, nq = nqt * 16;
-    const int dt = a->kv_dtype, split = dt != SHMKV_ATT_BF16;   /* K, V split in pieces */
+    const int dt = a->kv_dtype, quant = SHMKV_QUANT(dt);
+    const int split = dt == SHMKV_ATT_F32 || dt == SHMKV_ATT_F16;   /* K, V split in pieces */
     /* bf16 pieces of K and V (see the top) */
     const int npc = dt == SHMKV_ATT_F32 ? 3 : split ? 2 : 1;
     float *m_out = acc + (size_t)nqv * d, *l_out = m_out + nqv;
@@ -290,7 +314,7 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
     const uint32_t tend = first + it->nrows;                /* keys the last row sees */
     const uint32_t tlast = it->t1 < tend ? it->t1 : tend;
     const int32_t *table = a->tables[it->seq];
-    const size_t es = dt == SHMKV_ATT_F32 ? 4 : 2;           /* pool bytes per element */
+    const size_t es = SHMKV_ESZ(dt);                        /* pool bytes per element */
     const size_t tok = (size_t)a->hkv * d * es, hstride = (size_t)d * es;
     const size_t prow = (size_t)d * 2;                      /* a packed bf16 row's bytes */
     const __m512 sc = _mm512_set1_ps(a->scale * 1.44269504088896f);   /* to log2 units */
@@ -311,6 +335,7 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
     float *alpha = (float *)(plo + 16 * 32) + 256;
     int32_t *lim = (int32_t *)(alpha + nq);
     size_t cs[2][SHMKV_AMX_KC], rows[SHMKV_AMX_KS];     /* a chunk's slots; a step's rows */
+    float ksc[SHMKV_AMX_KS], vsc[SHMKV_AMX_KS];         /* quantized: a step's scales */
     /* per head of a group: q's pieces that are not all 0 (a head's state is at least
      * 16 x 32 x 10 bytes, so SHMKV_AMX_STATE / 4096 bounds HG) */
     uint8_t qn[SHMKV_AMX_STATE / 4096];
@@ -398,6 +423,16 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                     }
                     if (pn > SHMKV_AMX_KS) pn = SHMKV_AMX_KS;
                     for (uint32_t j = 0; j < nt; j++) rows[j] = cs[cw][ts - tc + j] * tok + h * hstride;
+                    for (uint32_t j = 0; quant && j < nt; j++) {   /* the keys' scales */
+                        if (dt == SHMKV_ATT_I8) {
+                            const size_t sl = cs[cw][ts - tc + j] * a->hkv + h;
+                            ksc[j] = a->kscale[sl];
+                            vsc[j] = a->vscale[sl];
+                        } else {                        /* e4m3: one per head; loads are / 2^8 */
+                            ksc[j] = a->khead[h] * SHMKV_E4M3_UNIT;
+                            vsc[j] = a->vhead[h] * SHMKV_E4M3_UNIT;
+                        }
+                    }
                     /* K of a bfloat16 pool is loaded onto the tiles straight from the pool
                      * where a half step's 16 rows are evenly spaced (one block's rows: tok
                      * bytes apart), else packed; float16/float32 K is split, packed */
@@ -406,7 +441,7 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                     int kdir[2];
                     for (uint32_t half = 0; half < 2; half++) {
                         const uint32_t j0 = 16 * half;
-                        int direct = !split && j0 + 16 <= nt;
+                        int direct = dt == SHMKV_ATT_BF16 && j0 + 16 <= nt;
                         for (uint32_t j = j0 + 1; direct && j < j0 + 16; j++)
                             direct = rows[j] - rows[j - 1] == tok;
                         kt[half] = direct ? a->kpool + rows[j0] : (const uint8_t *)(khi + (size_t)j0 * d);
@@ -423,7 +458,13 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                             continue;
                         }
                         const uint8_t *kr = a->kpool + rows[j];
-                        if (!split) { memcpy(kp[0] + ko, kr, prow); continue; }
+                        if (dt == SHMKV_ATT_BF16) { memcpy(kp[0] + ko, kr, prow); continue; }
+                        if (quant) {                    /* the codes, exact in bf16 */
+                            for (uint32_t x = 0; x < d; x += 16)
+                                _mm256_storeu_si256((__m256i *)(kp[0] + ko + x),
+                                                    (__m256i)_mm512_cvtneps_pbh(shmkv_amx_ld(kr + es * x, dt)));
+                            continue;
+                        }
                         for (uint32_t x = 0; x < d; x += 16) {
                             __m256i pc[3];
                             const __m512 kx = shmkv_amx_ld(kr + es * x, dt);
@@ -439,12 +480,16 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                         const uint8_t *v1 = j1 < nt ? a->vpool + rows[j1] : NULL;
                         const size_t vo = (size_t)p * 2 * d;
                         uint16_t *vh = vp[0] + vo;
-                        if (!split) {                   /* bf16 as stored: interleave the words */
+                        if (!split) {       /* bf16 as stored, or codes: interleave the words */
                             for (uint32_t x = 0; x < d; x += 16) {
-                                const __m256i w0 = v0 ? _mm256_loadu_si256((const __m256i *)(v0 + 2 * x))
-                                                      : _mm256_setzero_si256();
-                                const __m256i w1 = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + 2 * x))
-                                                      : _mm256_setzero_si256();
+                                __m256i w0 = _mm256_setzero_si256(), w1 = w0;
+                                if (quant) {
+                                    if (v0) w0 = (__m256i)_mm512_cvtneps_pbh(shmkv_amx_ld(v0 + x, dt));
+                                    if (v1) w1 = (__m256i)_mm512_cvtneps_pbh(shmkv_amx_ld(v1 + x, dt));
+                                } else {
+                                    if (v0) w0 = _mm256_loadu_si256((const __m256i *)(v0 + 2 * x));
+                                    if (v1) w1 = _mm256_loadu_si256((const __m256i *)(v1 + 2 * x));
+                                }
                                 _mm512_storeu_si512(vh + 2 * x, _mm512_permutex2var_epi16(
                                     _mm512_castsi256_si512(w0), ilv, _mm512_castsi256_si512(w1)));
                             }
@@ -531,7 +576,8 @@ SHMKV_AMX_TGT static int shmkv_att_item_amx(const shmkv_attn_args_t *a, const sh
                         }
                         for (uint32_t i = 0; i < na; i++)
                             shmkv_amx_pv(st + 512 * i, act[i] * 16, ts, nt, sc, lim, O, m, l, alpha,
-                                         phi, plo, vp, d, npc);
+                                         phi, plo, vp, d, npc, quant ? ksc : NULL,
+                                         quant ? vsc : NULL);
                     }
                 }
             }
