@@ -216,7 +216,7 @@ SHMKV_AI void FN(scores_blk)(const float *q, const uint8_t *const *kr, uint32_t 
             for (int g = 0; g < NG; g++) a[i][g] = VFMA(k, qv[g], a[i][g]);
         }
     }
-    if (NG == 1 && KBN == 4) {              /* one query vector: the four keys' sums at once */
+    if (KB >= 4 && NG == 1 && KBN == 4) {   /* one query vector: the four keys' sums at once */
         float t[4];
         FN(hsum4)(a[0][0], a[1][0], a[2][0], a[3][0], t);
         for (int i = 0; i < 4; i++) s4[4 * i] = t[i];
