@@ -176,9 +176,9 @@ static inline void shmkv_amx_pf_next(shmkv_amx_pf_t *c) {
  * st = S^T [32 keys][16 q] (raw q.k: times sc makes log2 units), V in npc pieces.  A
  * quantized pool's K and V go to the tiles as their codes (exact in bf16): ksc, vsc are the
  * step's per-key scales, which multiply the raw scores and the weights (else NULL).  Tiles 6,
- * 7 take P hi, lo (1 the third piece of a quantized pool's); O goes through tiles 5 and 0
- * and V's pieces through 2 and 4, 1 and 3, then 2 and 4 again: two independent accumulations
- * in flight, since a tile's dot products are latency-bound alone. */
+ * 7 take P hi, lo, and tile 1 a quantized pool's third piece of P; O goes through tiles 5
+ * and 0 and V's pieces through 2 and 4, 1 and 3, then 2 and 4 again: two independent
+ * accumulations in flight, since a tile's dot products are latency-bound alone. */
 SHMKV_AMX_TGT static inline void shmkv_amx_pv(const float *st, uint32_t q0, uint32_t ts, uint32_t nt,
                                               __m512 sc, const int32_t *lim, float *O, float *m,
                                               float *l, float *alpha, uint16_t *phi, uint16_t *plo,
