@@ -17,6 +17,11 @@ timed in the same run as its baselines:
   cannot live in this venv), on the same shapes, with shmkv, torch SDPA and the read floor
   measured again beside it in that process; outputs checked against float64 first.
 
+Decode calls are cold (``floors.Evictor``: a buffer of twice the last-level cache read just
+before each, untimed), as in a decode step, whose layers' K/V never fit in cache together;
+the kernel and the floor take turns, so each ratio is between calls under the same
+conditions.  ``--decode-isa`` does the same (``--warm`` to leave the cache as it is).
+
 Medians of repeated calls (p10/p90 kept in the JSON). Targets, reported, never asserted:
 decode <= 2x the floor (goal 1.5x) and >= 3x faster than the best gather + SDPA.
 """
@@ -37,21 +42,41 @@ from shmkv import _attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from floors import Evictor  # noqa: E402
 from timing import summarize  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 FLOOR_X, GOAL_X, TORCH_X = 2.0, 1.5, 3.0
 
 
-def med(fn, reps, warm=1):
+def med(fn, reps, warm=1, before=None):
+    """Summary of ``reps`` timed calls of fn (after ``warm`` untimed ones); ``before``, if
+    given, runs untimed before each (an :class:`floors.Evictor`: every call cold)."""
     for _ in range(warm):
         fn()
     ts = []
     for _ in range(reps):
+        if before is not None:
+            before()
         t0 = time.perf_counter_ns()
         fn()
         ts.append(time.perf_counter_ns() - t0)
     return summarize(ts)
+
+
+def interleaved(fns, reps, before=None):
+    """{name: summary}: the fns take turns, one call each per round (a first round
+    untimed), so each sees the same state of a shared machine; ``before`` as in med."""
+    ts = {name: [] for name in fns}
+    for r in range(reps + 1):
+        for name, fn in fns.items():
+            if before is not None:
+                before()
+            t0 = time.perf_counter_ns()
+            fn()
+            if r:
+                ts[name].append(time.perf_counter_ns() - t0)
+    return {name: summarize(x) for name, x in ts.items()}
 
 
 class Case:
@@ -124,7 +149,7 @@ def torch_gather_sdpa(case, q, to_fp32, q_lens=None):
     return run
 
 
-def decode_case(dtype, batch, length, reps, torch_reps, threads):
+def decode_case(dtype, batch, length, reps, torch_reps, threads, evict):
     case = Case(dtype, batch, length)
     try:
         q = np.random.default_rng(1).standard_normal((batch, HQ, D), np.float32)
@@ -133,15 +158,20 @@ def decode_case(dtype, batch, length, reps, torch_reps, threads):
                "length": length, "kv_bytes": case.kv_bytes}
         _attention.set_num_threads(threads)
         res["isa"] = _attention.isa()
-        res["shmkv"] = med(lambda: case.cache.attention(0, q, case.sids, out=out), reps)
-        res["floor"] = case.floor(reps)
+        # the kernel and the floor in turns, each call cold (see floors.Evictor): the
+        # ratio is between calls under the same conditions
+        k, v = case.cache.key_cache(0), case.cache.value_cache(0)
+        res.update(interleaved({
+            "shmkv": lambda: case.cache.attention(0, q, case.sids, out=out),
+            "floor": lambda: (_attention.bench_read(k), _attention.bench_read(v))},
+            reps, before=evict))
         _attention.set_num_threads(1)
         res["shmkv_1t"] = med(lambda: case.cache.attention(0, q, case.sids, out=out),
-                              max(3, reps // 3))
+                              max(3, reps // 3), before=evict)
         _attention.set_num_threads(threads)
         if torch_reps:
             for key, fp32 in (("torch_stored", False), ("torch_fp32", True)):
-                res[key] = med(torch_gather_sdpa(case, q, fp32), torch_reps)
+                res[key] = med(torch_gather_sdpa(case, q, fp32), torch_reps, before=evict)
         return res
     finally:
         case.close()
@@ -162,11 +192,11 @@ def load_base(path):
     return mod
 
 
-def decode_isa_case(dtype, batch, length, isas, reps, threads, base=None):
+def decode_isa_case(dtype, batch, length, isas, reps, threads, base=None, evict=None):
     """One decode case with every ISA in ``isas`` forced in turn ("avx2", or "avx2@base" for
     the ``base`` module's kernel), interleaved with the read floor (``reps`` rounds of
-    floor, isa1, isa2, ...): each ratio is against the floor measured between the same
-    calls.  Returns {"floor": summary, isa: summary, ...}."""
+    floor, isa1, isa2, ...), each call cold when ``evict`` is given: each ratio is against
+    the floor measured between the same calls.  Returns {"floor": summary, isa: summary}."""
     case = Case(dtype, batch, length)
     try:
         q = np.random.default_rng(1).standard_normal((batch, HQ, D), np.float32)
@@ -189,6 +219,8 @@ def decode_isa_case(dtype, batch, length, isas, reps, threads, base=None):
         ts = {name: [] for name in fns}
         for r in range(reps + 1):                   # the first round warms up
             for name, fn in fns.items():
+                if evict is not None:
+                    evict()
                 if name == "floor":
                     t0 = time.perf_counter_ns()
                     fn()
@@ -204,14 +236,15 @@ def decode_isa_case(dtype, batch, length, isas, reps, threads, base=None):
         case.close()
 
 
-def decode_isa_main(isas, dtypes, reps, threads, base_path=None):
+def decode_isa_main(isas, dtypes, reps, threads, base_path=None, warm=False):
     """The decode cases on each forced ISA against the same read floor, printed."""
     base = load_base(base_path) if base_path else None
+    evict = None if warm else Evictor()
     load0 = os.getloadavg()[0]
     rows = []
     for dt in dtypes:
         for b, n in ((8, 4096), (1, 32768)):
-            r = decode_isa_case(dt, b, n, isas, reps, threads, base)
+            r = decode_isa_case(dt, b, n, isas, reps, threads, base, evict)
             fl = r["floor"]["median_ns"] / 1e6
             cells = [f"{r[i]['median_ns'] / 1e6:.2f} ms ({r[i]['median_ns'] / 1e6 / fl:.2f}x)"
                      for i in isas]
@@ -219,6 +252,8 @@ def decode_isa_main(isas, dtypes, reps, threads, base_path=None):
             print(rows[-1], flush=True)
     print(f"\nthreads {threads}, CPU {_attention.cpu_isa()}, pool {_attention.pool()}, "
           f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}, medians of {reps} interleaved rounds"
+          + (", warm (no eviction)" if warm else f", every call cold ({evict.nbytes >> 20} MiB "
+             "read before it)")
           + (f"; @base: {base_path}" if base_path else ""))
     print("| case | read floor | " + " | ".join(f"shmkv {i} (x floor)" for i in isas) + " |")
     print("|---|---|" + "---|" * len(isas))
@@ -355,7 +390,9 @@ def render(meta, results, curve, png_name):
         f"pool {meta.get('pool')}, {meta['ghz']:.2f} GHz), torch "
         f"{meta['torch']} on {meta['torch_threads']} threads; load {meta['load']:.2f} at the "
         "start. Medians. *read floor*: the K and V pool bytes read once by a C loop on every "
-        "thread; *FMA bound*: the QK and PV FMAs alone at the FMA rate measured on every "
+        "thread. Decode: shmkv and the floor take turns call by call, and every decode call "
+        f"(torch's too) is cold: {meta.get('evict_bytes', 0) >> 20} MiB read just before it, "
+        "as in a decode step, whose 32 layers' K/V never fit in cache. *FMA bound*: the QK and PV FMAs alone at the FMA rate measured on every "
         f"thread ({meta['fma_rate'] / 1e9:.0f} G float32 lane-FMAs/s: 16 independent FMA "
         "chains per thread from registers, `_attention.bench_fma`). gather+SDPA: `gather()` into page-aligned buffers, then torch's "
         "`scaled_dot_product_attention(enable_gqa=True)` on the K/V as stored and converted "
@@ -472,10 +509,13 @@ def main(argv=None):
                     help="pool dtypes of --decode-isa (comma list)")
     ap.add_argument("--base", metavar="SO",
                     help="--decode-isa: another build's _attention*.so, timed as ISA@base")
+    ap.add_argument("--warm", action="store_true",
+                    help="--decode-isa: no cache eviction before each call (the default "
+                         "evicts: a decode step's layers never fit in cache)")
     args = ap.parse_args(argv)
     if args.decode_isa:
         decode_isa_main(args.decode_isa.split(","), args.dtypes.split(","),
-                        5 if args.quick else 15, args.threads, args.base)
+                        5 if args.quick else 15, args.threads, args.base, args.warm)
         return 0
     import torch
     torch.set_num_threads(args.threads)
@@ -496,10 +536,12 @@ def main(argv=None):
         print(f"FMA rate {meta['fma_rate'] / 1e9:.0f} G lane-FMAs/s on {args.threads} threads")
         print(prefill_table(results, meta["fma_rate"]))
         return 0
+    evict = Evictor()
+    meta["evict_bytes"] = evict.nbytes
     for dt in dtypes:
         for b, n in sizes:
             print(f"decode {dt} {b} x {n}", flush=True)
-            results.append(decode_case(dt, b, n, reps, treps, args.threads))
+            results.append(decode_case(dt, b, n, reps, treps, args.threads, evict))
     pf = (1024, 128) if quick else (4096, 512)
     for dt in pdtypes:
         print(f"prefill {dt} {pf[1]} into {pf[0]}", flush=True)
@@ -508,7 +550,7 @@ def main(argv=None):
     curve = []
     for n in lengths:
         print(f"curve float16 1 x {n}", flush=True)
-        curve.append(decode_case("float16", 1, n, reps, treps, args.threads))
+        curve.append(decode_case("float16", 1, n, reps, treps, args.threads, evict))
     _attention.set_num_threads(0)
     peer = vllm_peer(args.vllm_python, args.threads, quick)
     png = os.path.join(args.out if quick else HERE, "attention.png")

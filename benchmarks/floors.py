@@ -30,7 +30,7 @@ import time
 import numpy as np
 from timing import STEAL, from_samples, measure, record
 
-from shmkv import _core
+from shmkv import _attention, _core
 
 COLD_SPAN = 256 << 20
 FLOOR_AFTER = "memcpy matched, after shmkv"
@@ -51,6 +51,23 @@ def llc_bytes() -> int:
     except (OSError, ValueError):
         pass
     return best or (32 << 20)
+
+
+class Evictor:
+    """Call it (untimed) before a timed call to leave that call cold: it reads a buffer of
+    twice the last-level cache (at least 64 MiB, at most 1 GiB) once, on every thread of the
+    kernel's pool.  A decode step reads every layer's K and V once (a Llama-3-8B layer at 4k
+    x 8 is 134 MB, 32 layers of it per step), so no layer finds its rows in cache: a
+    benchmark of one layer called again and again would time a warm cache no step sees, and
+    how much each call gains from it depends on what ran just before."""
+
+    def __init__(self, nbytes: int | None = None):
+        n = nbytes if nbytes is not None else min(max(2 * llc_bytes(), 64 << 20), 1 << 30)
+        self.buf = np.ones(n, np.uint8)          # touched: its pages exist before timing
+        self.nbytes = n
+
+    def __call__(self) -> None:
+        _attention.bench_read(self.buf)
 
 
 STREAM_MIN = 8 << 20          # shmkv streams copies of >= 8 MiB per K or V array

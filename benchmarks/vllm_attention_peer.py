@@ -12,7 +12,9 @@ any timing, both outputs are checked against a float64 numpy reference on the st
 peer that computes something else is no peer.  Then medians over interleaved rounds of
 shmkv ``cache.attention``, vLLM ``cpu_attention_with_kv_cache`` (with its scheduler metadata,
 built once as the backend does per step), torch SDPA on contiguous K/V (no gather), and the
-read floor (every K/V byte read once), all on the same thread count.
+read floor (every K/V byte read once), all on the same thread count, every call cold
+(``floors.Evictor``: twice the last-level cache read just before it, untimed -- a decode
+step's layers never share the cache, and a warm call's gain depends on what ran before it).
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ import torch  # noqa: E402
 
 import shmkv  # noqa: E402
 from shmkv import _attention  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from floors import Evictor  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SBS, VBS = 16, 128                    # shmkv block, vLLM CPU block
@@ -154,28 +159,30 @@ class Peer:
         return errs
 
 
-def interleaved(fns, rounds, per):
-    """Median ns per call of each fn, the fns taking turns round after round."""
+def interleaved(fns, rounds, per, before):
+    """Median ns per call of each fn, the fns taking turns round after round; ``before``
+    runs untimed before each call."""
     ts = {n: [] for n in fns}
     for fn in fns.values():
         fn()
     for _ in range(rounds):
         for n, fn in fns.items():
             for _ in range(per):
+                before()
                 t0 = time.perf_counter_ns()
                 fn()
                 ts[n].append(time.perf_counter_ns() - t0)
     return {n: float(np.median(v)) for n, v in ts.items()}
 
 
-def run_case(dtype, label, batch, length, rows, rounds, per):
+def run_case(dtype, label, batch, length, rows, rounds, per, evict):
     p = Peer(dtype, batch, length, rows)
     try:
         errs = p.check()
         kb, vb = p.cache.key_cache(0), p.cache.value_cache(0)
         med = interleaved({"shmkv": p.shmkv, "vllm": p.vllm, "sdpa": p.sdpa_fn(),
                            "floor": lambda: (_attention.bench_read(kb),
-                                             _attention.bench_read(vb))}, rounds, per)
+                                             _attention.bench_read(vb))}, rounds, per, evict)
         return {"case": label, "dtype": dtype, "vllm_isa": p.isa, "err": errs, **med}
     finally:
         p.close()
@@ -209,15 +216,17 @@ def main(argv=None):
     if not args.quick:
         cases.insert(1, ("decode 1 x 32k", 1, 32768, 0))
     import vllm
+    evict = Evictor()
     head = (f"shmkv ISA {_attention.cpu_isa()} (kernel {_attention.isa()}), vLLM "
             f"{vllm.__version__} (ISA per dtype in the table), torch {torch.__version__}, "
             f"{THREADS} threads, load average {os.getloadavg()[0]:.2f}; "
-            f"medians over {rounds} interleaved rounds of {per} calls")
+            f"medians over {rounds} interleaved rounds of {per} calls, each cold "
+            f"({evict.nbytes >> 20} MiB read before it)")
     print(head, flush=True)
     results = []
     for dtype in args.dtypes.split(","):
         for label, b, n, rows in cases:
-            r = run_case(dtype, label, b, n, rows, rounds, per)
+            r = run_case(dtype, label, b, n, rows, rounds, per, evict)
             results.append(r)
             print(table([r], "").splitlines()[-1], flush=True)
     print()
