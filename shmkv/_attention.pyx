@@ -65,6 +65,8 @@ cdef extern from "kernels/attention.h" nogil:
     int shmkv_attn_isa()
     int shmkv_attn_force_isa(int isa)
     int shmkv_attn_force_rows(int on)
+    int shmkv_attn_plan(const uint32_t *q_lens, const uint32_t *seq_lens, uint32_t nseq,
+                        uint32_t group, int wide, int threads, uint32_t *rt, uint64_t *chunk)
     const char *shmkv_attn_pool()
     double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink)
     double shmkv_bench_fma(uint64_t n, int threads, double *sink)
@@ -127,6 +129,31 @@ def _force_rows(on):
     it applies: a vector ISA, several rows, at least 32 query vectors per kv head, and no
     AMX tile path for the pool."""
     shmkv_attn_force_rows(1 if on else 0)
+
+
+def _plan(q_lens, seq_lens, group, wide, threads):
+    """Test hook: the work items the kernel makes for sequences with these query rows and
+    lengths (``group`` query heads per kv head; ``wide``: the GEMM items or the tiles are in
+    use; ``threads`` threads): (query rows per item, keys per chunk or None when the keys
+    are not split)."""
+    ql = np.ascontiguousarray(q_lens, dtype=np.uint32)
+    sl = np.ascontiguousarray(seq_lens, dtype=np.uint32)
+    if ql.ndim != 1 or ql.shape[0] == 0 or sl.shape != ql.shape:
+        raise ValueError(f"q_lens, seq_lens: expected two 1-d sequences of one length >= 1, "
+                         f"got shapes {ql.shape} and {sl.shape}")
+    g, t = operator.index(group), operator.index(threads)
+    if not (1 <= g <= 1 << 16 and 1 <= t <= 1024):
+        raise ValueError(f"group, threads: expected 1..65536 and 1..1024, got {g}, {t}")
+    cdef const uint32_t[::1] qv = ql
+    cdef const uint32_t[::1] sv = sl
+    cdef uint32_t rt = 0
+    cdef uint64_t chunk = 0
+    if shmkv_attn_plan(&qv[0], &sv[0], <uint32_t>qv.shape[0], g, 1 if wide else 0, t,
+                       &rt, &chunk) != 0:
+        raise ValueError("q_lens, seq_lens, group, threads: expected 1 <= q_len <= seq_len, "
+                         f"group >= 1, threads >= 1; got {list(ql)}, {list(sl)}, {group}, "
+                         f"{threads}")
+    return int(rt), (None if chunk == 0xFFFFFFFFFFFFFFFF else int(chunk))
 
 
 def bench_fma(threads=None, rounds=20_000_000):

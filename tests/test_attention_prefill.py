@@ -195,3 +195,64 @@ def test_gemm_item_keeps_a_bad_query_row_to_itself(make_cache, isa, two_threads,
     keep = np.ones(48, bool)
     keep[5] = False
     assert_close(got[keep], want[keep])
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,threads,expect", [
+    # prefill on the GEMM items / tiles: one row tile per thread is enough, no key split
+    ([128], [1024], 2, (64, None)),
+    ([64] * 4, [1024] * 4, 2, (64, None)),
+    ([512], [4096], 2, (64, None)),
+    ([512], [512], 2, (64, None)),          # a fresh prompt: 8 tiles, the causal triangle
+    # rows evened out (a multiple of the threads, >= 128 query vectors per kv head)
+    ([96], [1024], 2, (48, None)),          # 48 + 48, not 64 + 32
+    ([192], [1024], 2, (48, None)),         # 4 x 48, not 3 x 64
+    ([64], [1024], 2, (32, None)),
+    # one tile would hold the other thread back: its keys split
+    ([32], [1024], 2, (64, 512)),
+    ([24], [4000], 2, (64, 2000)),
+    ([1, 1, 1, 32], [1024] * 4, 2, (64, 512)),   # three decode rows beside one prefill
+    # one thread: nothing to balance
+    ([32], [1024], 1, (64, None)),
+    ([96], [1024], 1, (64, None)),
+    # decode (one row per sequence): split while there are fewer than 4 items per thread
+    ([1], [32768], 2, (64, 4096)),
+    ([1] * 3, [4096] * 3, 2, (64, 1536)),
+    ([1] * 8, [4096] * 8, 2, (64, None)),
+])
+def test_work_items_keep_the_threads_busy_without_needless_splits(q_lens, seq_lens, threads,
+                                                                   expect):
+    """The planner's choices for Llama's group of 4 on the GEMM items or the tiles.  A key
+    split costs every chunk the item's fixed work again plus a merge on one thread: with
+    the decode rule (split below 4 items per thread), 128 rows into 1k took 1.9x the time
+    on 2 threads (RESULTS_attention_21.md, eighth pass)."""
+    assert _attention._plan(q_lens, seq_lens, 4, True, threads) == expect
+
+
+def test_work_item_plan_without_the_wide_items_is_the_decode_rule():
+    # the row item (no GEMM item, no tiles): 8 rows per item, split below 4 items per thread
+    assert _attention._plan([32], [1024], 4, False, 2) == (8, 512)
+    assert _attention._plan([128], [1024], 4, False, 2) == (8, None)
+
+
+@pytest.mark.parametrize("args", [([], [], 4, True, 2), ([5], [4], 4, True, 2),
+                                  ([0], [4], 4, True, 2), ([4], [4], 0, True, 2),
+                                  ([4], [4], 4, True, 0), ([4, 4], [4], 4, True, 2)])
+def test_work_item_plan_refuses_what_the_kernel_never_gets(args):
+    with pytest.raises(ValueError, match="expected"):
+        _attention._plan(*args)
+
+
+@pytest.mark.parametrize("q_lens,lengths", [([96], [300]), ([1, 1, 1, 32], [300, 40, 300, 300])])
+def test_evened_rows_and_a_dominant_tile_match_reference(make_cache, isa, two_threads,
+                                                         q_lens, lengths):
+    """The two prefill plans the decode rule never made: rows evened out (48 + 48) and
+    the keys of one large tile split beside single decode rows."""
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=64, num_blocks=100,
+                       block_size=16, dtype="bfloat16")
+    rng = np.random.default_rng(31)
+    sids = [cache.create_sequence() for _ in lengths]
+    for sid, n in zip(sids, lengths):
+        fill(cache, sid, n, rng, scale=2.0)
+    q = rng.standard_normal((sum(q_lens), 8, 64)).astype(np.float32)
+    assert_close(cache.attention(0, q, sids, q_lens=q_lens),
+                 reference(cache, 0, q, sids, q_lens))

@@ -67,6 +67,10 @@ int shmkv_attn_force_isa(int isa);     /* -1 = back to the best; returns 0, or -
 /* 1: prefill rows on the row item only (the path before the GEMM item; for tests and
  * benchmarks), 0: the GEMM item where it applies (the default) */
 int shmkv_attn_force_rows(int on);
+/* Test hook: the work items the kernel would make for these sequences (wide: the GEMM
+ * items or the tiles in use): rows per item, keys per chunk (UINT64_MAX: not split). */
+int shmkv_attn_plan(const uint32_t *q_lens, const uint32_t *seq_lens, uint32_t nseq,
+                    uint32_t group, int wide, int threads, uint32_t *rt, uint64_t *chunk);
 /* The pool the items run on: "openmp" when the process has a libgomp loaded (torch's: its
  * team runs them, see attention.c), else "own" (also in a fork() child and with
  * SHMKV_ATTN_POOL=own). */
