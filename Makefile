@@ -9,7 +9,7 @@ BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
+.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench-serve bench bench-deps bench-quick lint debug chaos fuzz clean \
 	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage
 
 all: install
@@ -110,6 +110,23 @@ demo-vllm: test-vllm-deps model
 
 bench-vllm: test-vllm-deps model
 	$(VPY) benchmarks/vllm_bench.py
+
+# The fleet benchmark (issue 32): 2 x `vllm serve` pinned to a core each, behind PyPI's
+# vllm-router (a Rust binary wheel, in its own venv), load from `vllm bench serve`, with and
+# without the shared segment: benchmarks/RESULTS_serve.md + serve.png (ARGS=--quick: ~6 min,
+# into benchmarks/out/).
+ROUTER_VENV := .venv-router
+$(ROUTER_VENV)/.deps:
+	$(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip --disable-pip-version-check install -q "vllm-router==0.1.17"
+	touch $@
+
+$(VLLM_VENV)/.bench: $(VLLM_DEPS)
+	$(VPIP) install -q "matplotlib>=3.7"
+	touch $@
+
+bench-serve: test-vllm-deps model $(ROUTER_VENV)/.deps $(VLLM_VENV)/.bench
+	$(VPY) benchmarks/serve_bench.py $(ARGS)
 
 # vLLM's CPU paged attention beside shmkv's kernel, same K/V, outputs checked first (issue 21).
 bench-attn-vllm: test-vllm-deps
