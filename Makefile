@@ -122,7 +122,8 @@ $(ROUTER_VENV)/.deps:
 	touch $@
 
 $(VLLM_VENV)/.bench: $(VLLM_DEPS)
-	$(VPIP) install -q "matplotlib>=3.7"
+	# vLLM's bench extra: pandas (bench serve's custom dataset); matplotlib for the plot
+	$(VPIP) install -q "pandas>=2" "matplotlib>=3.7"
 	touch $@
 
 bench-serve: test-vllm-deps model $(ROUTER_VENV)/.deps $(VLLM_VENV)/.bench

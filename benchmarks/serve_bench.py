@@ -422,6 +422,9 @@ def bench_worker() -> None:
                         "errors")}
             out.write("@@RESULT " + json.dumps(keep) + "\n")
         except BaseException as e:  # noqa: BLE001 - reported to the parent
+            import traceback
+
+            traceback.print_exc()
             out.write("@@RESULT " + json.dumps({"error": repr(e)}) + "\n")
         out.flush()
 
