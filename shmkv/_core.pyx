@@ -534,6 +534,9 @@ cdef class Segment:
             posix_ipc.unlink_shared_memory(self.name)
         except posix_ipc.ExistentialError:
             pass
+        from .pending import unlink_pending     # the segment's pending marks go with it
+
+        unlink_pending(self.name)
 
     @property
     def closed(self):

@@ -144,6 +144,8 @@ def cmd_create(args):
 def _unlink(name):
     import posix_ipc
 
+    from shmkv.pending import unlink_pending
+
     try:
         posix_ipc.unlink_shared_memory("/" + name)
         return True
@@ -151,6 +153,8 @@ def _unlink(name):
         return False
     except posix_ipc.PermissionsError as e:
         raise CLIError(f"{name}: cannot remove: {e}") from None
+    finally:
+        unlink_pending(name)            # the segment's pending marks (NAME.pending) too
 
 
 def cmd_rm(args):

@@ -14,14 +14,25 @@ Owns the two halves vLLM runs in different processes:
   findable only once all of its bytes are written; a process killed before ``commit``
   leaves an unpublished sequence that recovery frees).
 
+Fleets (README "Serving a fleet"): every ``vllm serve`` instance on the host that names the
+segment shares it.  The scheduler marks the blocks it is about to compute as pending
+(shmkv.pending: owned by its process, dropped when it dies), and a request on another
+instance whose prefix is pending answers vLLM "not yet" (``None``) until the blocks are
+published, for at most ``pending_wait`` seconds: a new prefix is computed once on the
+host, not once per instance.  The figures go to vLLM's own ``/metrics`` (stats.py), and the
+blocks saved to or loaded from the segment are announced on vLLM's own KV event stream
+(events.py).
+
 With a remote tier configured (``tier`` in the extra config or ``$SHMKV_TIER``, see
 tier.py), the worker writes what it commits through to it and the scheduler looks up
 what the segment lacks in a background thread, answering "not yet" (``None``) to vLLM
 meanwhile: a prompt prefilled on another host becomes a hit here, and the scheduler loop
 never waits on the network.
 
-Anything that goes wrong in the cache turns into a miss, never a failed request; only a
-segment that cannot serve this model at all is an error, at engine start.
+Anything that goes wrong in the cache turns into a miss, never a failed request; a missing
+optional package (ml_dtypes for bfloat16 K/V) turns the connector off with one warning and
+the engine serves on; only a segment that cannot serve this model at all is an error, at
+engine start.
 """
 from __future__ import annotations
 
@@ -43,13 +54,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import shmkv
 from shmkv.integrations.torch_views import pool_tensors
+from shmkv.pending import PendingMarks, prefix_keys
 
+from .events import ShmkvKVEvents, stored_event
 from .layout import CpuLayout, probe_layout
 from .segment import open_segment, segment_spec
+from .stats import ShmkvConnectorStats, ShmkvPromMetrics, segment_gauges
 from .tier import TierLookups, tier_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -59,7 +78,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ShmkvConnector", "ShmkvConnectorMetadata", "request_salt"]
 
-log = logging.getLogger("shmkv.vllm")
+# under "vllm": the lines appear in vLLM's own log (vllm serve), formatted as vLLM's
+log = logging.getLogger("vllm.shmkv")
 
 # Test-only fault injection (DEVELOP.md): off unless the engine's environment has
 # SHMKV_VLLM_FAULT=1, and then only for requests whose cache_salt names the fault
@@ -72,7 +92,8 @@ _FAULTS_ON = os.environ.get("SHMKV_VLLM_FAULT") == "1"
 
 
 # SHMKV_VLLM_STATS=FILE: the worker's connector rewrites FILE (JSON: its counters, and the
-# seconds its loads and saves took) after every step that loaded or saved (benchmarks).
+# seconds its loads and saves took) after every step that loaded or saved.  For the tests
+# and benchmarks that drive the offline LLM class; deployments read vLLM's /metrics.
 _STATS_FILE = os.environ.get("SHMKV_VLLM_STATS") or None
 
 
@@ -95,6 +116,8 @@ class LoadOp:
     start: int                  # first token to load (vLLM-block aligned)
     end: int                    # one past the last (shmkv-block aligned)
     block_ids: list[int]        # vLLM blocks holding tokens [start, end), in order
+    hashes: Optional[list[Any]] = None   # vLLM's hashes of its blocks [0, end) (events on)
+    lora_name: Optional[str] = None
 
 
 @dataclass
@@ -103,6 +126,8 @@ class SaveOp:
     tokens: np.ndarray          # int32 ids of tokens [0, end) (end: vLLM-block aligned)
     salt: str
     block_ids: list[int]        # vLLM blocks of tokens [0, end), in order
+    hashes: Optional[list[Any]] = None   # vLLM's hashes of those blocks (events on)
+    lora_name: Optional[str] = None
 
 
 @dataclass
@@ -119,6 +144,20 @@ class _ReqState:
     saved_upto: int = 0                       # tokens known to be in the segment
     load: Optional[tuple[int, int]] = None    # planned (start, end) of a load
     tier_done: bool = False                   # its tier lookup ran (or was given up on)
+    keys: Optional[np.ndarray] = None         # pending-mark keys of its blocks (cached)
+    claimed: Optional[np.ndarray] = None      # the keys it marked pending
+    wait_since: Optional[float] = None        # held back since (another instance computes)
+    gave_up: bool = False                     # waited pending_wait: computes it here
+
+
+def _missing_package(dtype: str) -> Optional[str]:
+    """Why the pools of ``dtype`` cannot be opened in this environment, or None."""
+    if dtype in ("bfloat16", "float8_e4m3"):
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError as e:
+            return f"{dtype} K/V need the ml_dtypes package ({type(e).__name__}: {e})"
+    return None
 
 
 def _ids(tokens: Any, n: int, pad: bool) -> np.ndarray:
@@ -137,7 +176,10 @@ class ShmkvConnector(KVConnectorBase_V1):
     ``max_seqs``, ``model_id`` (the model part of the salt; default the model path:
     hosts that share a tier name the model alike), ``save`` (default true), ``load``
     (default true), ``hash_seed`` (a new segment's), ``tier`` (``redis://host:port``;
-    default ``$SHMKV_TIER``), ``tier_cluster``, ``tier_timeout``, ``tier_wait`` (tier.py).
+    default ``$SHMKV_TIER``), ``tier_cluster``, ``tier_timeout``, ``tier_wait`` (tier.py),
+    ``pending`` (default true: mark prefixes being computed, wait for other instances'),
+    ``pending_wait`` (seconds a request waits for another instance's prefix; default 10),
+    ``pending_ttl`` (seconds a mark lasts at most; default 120).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -145,33 +187,68 @@ class ShmkvConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._vb = int(vllm_config.cache_config.block_size)
-        self._spec = segment_spec(vllm_config, extra)
-        self._kv: shmkv.KVCache = open_segment(self._spec)
-        self._bs = self._kv.config.block_size
         mc = vllm_config.model_config
         self._model_id = str(extra.get("model_id") or mc.model)
         self._save_on = bool(extra.get("save", True))
         self._load_on = bool(extra.get("load", True))
-        tier = tier_spec(extra)
-        self._lookups: Optional[TierLookups] = None
-        try:
-            if tier is not None and role == KVConnectorRole.SCHEDULER and self._load_on:
-                self._lookups = TierLookups(self._spec.name, tier)
-            elif tier is not None and role == KVConnectorRole.WORKER and self._save_on:
-                self._kv.set_tier(tier.make(), read=False)    # commits write through
-        except BaseException:
-            self._kv.close()
-            raise
+        self._pending_wait = float(extra.get("pending_wait", 10.0))
+        self._pending_ttl = float(extra.get("pending_ttl", 120.0))
+        if not (0 <= self._pending_wait <= 600 and 0 < self._pending_ttl <= 3600):
+            raise ValueError("shmkv: pending_wait must be in [0, 600] and pending_ttl in "
+                             f"(0, 3600] seconds, got {self._pending_wait}, "
+                             f"{self._pending_ttl}")
+        kec = vllm_config.kv_events_config
+        self._events_on = bool(kec is not None and kec.enable_kv_cache_events)
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
+        self._lookups: Optional[TierLookups] = None
+        self._pending: Optional[PendingMarks] = None
+        self._sched_events: Optional[ShmkvKVEvents] = None
         # worker side
         self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._layout: Optional[CpuLayout] = None
         self._load_errors: set[int] = set()
         self._short_reqs: set[str] = set()       # requests whose load fell short this step
+        self._events: list["KVCacheEvent"] = []  # this step's, for vLLM's publisher
+        # figures: cumulative (SHMKV_VLLM_STATS) and this interval's (vLLM's /metrics)
         self.stats: dict[str, float] = {
             "loaded_tokens": 0, "load_shortfall_tokens": 0, "saved_tokens": 0,
             "save_errors": 0, "load_errors": 0, "load_seconds": 0.0, "save_seconds": 0.0}
+        self._iv = ShmkvConnectorStats()
+        self._gauges_at = 0.0
+
+        self._kv: Optional[shmkv.KVCache] = None
+        self._bs = self._vb
+        missing = _missing_package(str(mc.dtype).replace("torch.", ""))
+        if missing is not None:
+            # a cache never stops an engine: it serves on, without the shared cache
+            (log.warning if role == KVConnectorRole.SCHEDULER else log.info)(
+                "shmkv: the connector is OFF for this engine: %s (pip install "
+                "\"shmkv[vllm]\" installs it); vLLM serves without the shared cache",
+                missing)
+            self._save_on = self._load_on = False
+            return
+        self._spec = segment_spec(vllm_config, extra)
+        self._kv = open_segment(self._spec)
+        self._bs = self._kv.config.block_size
+        tier = tier_spec(extra)
+        try:
+            if tier is not None and role == KVConnectorRole.SCHEDULER and self._load_on:
+                self._lookups = TierLookups(self._spec.name, tier)
+            elif tier is not None and role == KVConnectorRole.WORKER and self._save_on:
+                self._kv.set_tier(tier.make(), read=False)    # commits write through
+            if (role == KVConnectorRole.SCHEDULER and self._load_on and self._save_on
+                    and bool(extra.get("pending", True))):
+                self._pending = PendingMarks(self._spec.name)
+        except BaseException:
+            self._kv.close()
+            raise
+        log.info("shmkv: %s on segment %r (%d blocks of %d tokens, %s): load %s, save %s, "
+                 "pending marks %s, events %s", role.name.lower(), self._spec.name,
+                 self._kv.config.num_blocks, self._bs, self._kv.config.dtype,
+                 *("on" if x else "off" for x in (self._load_on, self._save_on,
+                                                   self._pending is not None,
+                                                   self._events_on)))
 
     # ------------------------------------------------------------------ salts
     def _salt(self, request: "Request") -> str:
@@ -184,10 +261,13 @@ class ShmkvConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _ReqState(request, self._salt(request))
+            if self._load_on:
+                self._iv.count("lookups")
         st.load = None
         st.saved_upto = max(st.saved_upto, num_computed_tokens)
         if not self._load_on:
             return 0, False
+        assert self._kv is not None
         vb, bs = self._vb, self._bs
         n = request.num_tokens
         # vLLM computes at least the last token; a hit may end inside a vLLM block (at a
@@ -206,16 +286,51 @@ class ShmkvConnector(KVConnectorBase_V1):
                     return None, False
                 st.tier_done = True
                 hit = self._kv.match_prefix(ids, st.salt)
+            hit = hit // bs * bs
+            if self._pending is not None and self._held_back(st, ids, hit,
+                                                             num_computed_tokens, limit):
+                return None, False          # another instance computes it: not yet
         except Exception as e:              # a cache never fails a request
             log.warning("shmkv: match_prefix failed (%s: %s); no hit", type(e).__name__, e)
             return 0, False
-        hit = hit // bs * bs
         if _fault(st.salt, "overclaim") and hit + vb <= limit:
             hit += vb
         if hit <= num_computed_tokens:
             return 0, False
         st.load = (num_computed_tokens, hit)
         return hit - num_computed_tokens, False
+
+    def _held_back(self, st: _ReqState, ids: np.ndarray, hit: int, computed: int,
+                   limit: int) -> bool:
+        """Whether the request waits because another instance is computing at least one
+        vLLM block of its prefix past what this instance has (segment or own cache);
+        else it marks what it will compute and save itself as pending (shmkv.pending)."""
+        assert self._pending is not None
+        bs, vb = self._bs, self._vb
+        if st.keys is None or len(st.keys) < limit // bs:
+            st.keys = prefix_keys(ids[:limit], bs, st.salt)
+        first = -(-max(hit, computed) // bs)                 # the first block not held here
+        if not st.gave_up:
+            others = self._pending.held(st.keys[first:limit // bs])
+            if others * bs >= vb:
+                now = time.monotonic()
+                if st.wait_since is None:
+                    st.wait_since = now
+                    self._iv.count("pending_waits")
+                if now - st.wait_since < self._pending_wait:
+                    return True
+                st.gave_up = True                            # waited enough: compute it
+                self._iv.count("pending_timeouts")
+                log.info("shmkv: %s waited %.1f s for another instance's prefix; computing "
+                         "it here", st.request.request_id, now - st.wait_since)
+        # what this instance computes and saves (whole vLLM blocks of the prompt, beyond
+        # its own cache, which it does not save again) is pending until published
+        upto = min(limit, st.request.num_prompt_tokens // vb * vb) // bs
+        if upto > first:
+            keys = st.keys[first:upto]
+            if self._pending.claim(keys, self._pending_ttl) == 0:
+                st.claimed = keys if st.claimed is None else np.union1d(st.claimed, keys)
+        return False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -227,6 +342,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         else:
             start = st.load[0]
             st.load = (start, start + num_external_tokens)
+            self._iv.count("lookup_hit_tokens", num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = ShmkvConnectorMetadata()
@@ -257,7 +373,7 @@ class ShmkvConnector(KVConnectorBase_V1):
                 if -(-end // vb) <= len(st.blocks) and done <= end:
                     meta.loads.append(LoadOp(
                         req_id, _ids(st.request.all_token_ids, end, True), st.salt, start, end,
-                        st.blocks[start // vb:-(-end // vb)]))
+                        st.blocks[start // vb:-(-end // vb)], *self._event_keys(st, end)))
                     st.saved_upto = max(st.saved_upto, end)
             if not self._save_on:
                 continue
@@ -265,13 +381,36 @@ class ShmkvConnector(KVConnectorBase_V1):
             full = min(total, st.request.num_tokens, len(st.blocks) * vb) // vb * vb
             if full > st.saved_upto:
                 meta.saves.append(SaveOp(req_id, _ids(st.request.all_token_ids, full, False),
-                                         st.salt, st.blocks[:full // vb]))
+                                         st.salt, st.blocks[:full // vb],
+                                         *self._event_keys(st, full)))
                 st.saved_upto = full
         return meta
+
+    def _event_keys(self, st: _ReqState, end: int) -> tuple[Optional[list[Any]],
+                                                            Optional[str]]:
+        """(vLLM's hashes of the request's blocks covering [0, end), its LoRA name) for the
+        worker's events; (None, None) when events are off or vLLM has not hashed them."""
+        if not self._events_on:
+            return None, None
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        req = st.request
+        hashes = getattr(req, "block_hashes", None) or []
+        n = -(-end // self._vb)
+        if len(hashes) < end // self._vb:
+            return None, None
+        lora = req.lora_request.lora_name if req.lora_request is not None else None
+        return [maybe_convert_block_hash(h) for h in hashes[:n]], lora
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks the worker could not load were computed from garbage in that step and
         are recomputed by vLLM: they are not in the segment, so plan to save them again."""
+        ev = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(ev, ShmkvKVEvents):
+            if self._sched_events is None:
+                self._sched_events = ev
+            else:
+                self._sched_events.add_events(ev.get_all_events())
         bad = getattr(connector_output, "invalid_block_ids", None)
         if not bad:
             return
@@ -284,15 +423,70 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
+        if st is not None and st.claimed is not None and self._pending is not None:
+            try:
+                self._pending.release(st.claimed)
+            except Exception as e:          # the marks expire on their own
+                log.warning("shmkv: dropping pending marks failed (%s: %s)",
+                            type(e).__name__, e)
         return False, None
+
+    def take_events(self) -> "Any":
+        """The save/load events every worker reported, for vLLM's KV event publisher."""
+        if self._sched_events is not None:
+            ev, self._sched_events = self._sched_events, None
+            yield from ev.pop_common_events()
+
+    # ------------------------------------------------------------ vLLM's statistics
+    def get_kv_connector_stats(self) -> "Optional[KVConnectorStats]":
+        """This interval's figures (stats.py), for vLLM's logger and /metrics; the worker
+        adds the segment's gauges, read at most once a second."""
+        if self._kv is None:
+            return None
+        now = time.monotonic()
+        if self._role == KVConnectorRole.WORKER and now - self._gauges_at >= 1.0:
+            self._gauges_at = now
+            self._housekeeping()
+        if self._iv.is_empty():
+            return None
+        out, self._iv = self._iv, ShmkvConnectorStats()
+        return out
+
+    def _housekeeping(self) -> None:
+        """Once a second, on the worker: recover what dead processes left in the segment
+        (a killed instance's unpublished saves, its sequences: freed, never published),
+        then read the segment's gauges.  Any surviving instance does it within ~1 s."""
+        assert self._kv is not None
+        try:
+            got = self._kv.recover()
+            if got.get("sequences") or got.get("blocks"):
+                log.info("shmkv: reclaimed %d sequences and %d blocks of dead processes "
+                         "from segment %r", got.get("sequences", 0), got.get("blocks", 0),
+                         self._kv.name)
+            self._iv.set_gauges(segment_gauges(self._kv.stats()))
+        except Exception as e:              # housekeeping never fails a step
+            log.debug("shmkv: housekeeping failed (%s: %s)", type(e).__name__, e)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None
+                                 ) -> "Optional[KVConnectorStats]":
+        return ShmkvConnectorStats(data=data) if data else ShmkvConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Any,
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> "Optional[KVConnectorPromMetrics]":
+        return ShmkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
+        if self._kv is None:
+            return                          # off (a missing package): nothing to copy
         cfg = self._kv.config
         names = sorted(kv_caches, key=extract_layer_index)
         if len(names) != cfg.num_layers:
@@ -317,6 +511,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._layers = [(kv_caches[n], *pool_tensors(self._kv, i)) for i, n in enumerate(names)]
 
     def _self_test(self, dtype: torch.dtype) -> Optional[CpuLayout]:
+        assert self._kv is not None
         cfg = self._kv.config
         isa = "?"
         try:
@@ -352,7 +547,9 @@ class ShmkvConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             for op in meta.loads:
                 self._load(op)
-            self.stats["load_seconds"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.stats["load_seconds"] += dt
+            self._iv.observe("load_seconds", dt)
             self._dump_stats()
 
     def _dump_stats(self) -> None:
@@ -367,6 +564,7 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     def _load(self, op: LoadOp) -> None:
         kv, vb = self._kv, self._vb
+        assert kv is not None
         good = op.start
         sid = None
         try:
@@ -394,12 +592,38 @@ class ShmkvConnector(KVConnectorBase_V1):
                 except Exception:
                     pass
         self.stats["loaded_tokens"] += good - op.start
+        self._iv.count("loaded_tokens", good - op.start)
+        self._iv.count("loaded_blocks", (good - op.start) // self._bs)
+        if op.hashes is not None and good // vb > op.start // vb:
+            self._announce(op.hashes, op.tokens, op.start // vb, good // vb, op.lora_name)
         if good < op.end:
             failed = op.block_ids[(good - op.start) // vb:]
             self._load_errors.update(failed)
             self._short_reqs.add(op.req_id)
             self.stats["load_shortfall_tokens"] += op.end - good
             self.stats["load_errors"] += 1
+            self._iv.count("load_failures")
+            self._iv.count("load_failed_tokens", op.end - good)
+
+    def _announce(self, hashes: list[Any], tokens: np.ndarray, b0: int, b1: int,
+                  lora_name: Optional[str]) -> None:
+        """An event for vLLM blocks [b0, b1) of a request, now held by the segment."""
+        if not self._events_on or b1 > len(hashes):
+            return
+        vb = self._vb
+        assert self._kv is not None
+        self._events.append(stored_event(hashes[b0:b1], hashes[b0 - 1] if b0 else None,
+                                         tokens[b0 * vb:b1 * vb].tolist(), vb,
+                                         self._kv.name.lstrip("/"), lora_name))
+
+    def get_kv_connector_kv_cache_events(self) -> Optional[ShmkvKVEvents]:
+        """This step's events (every step, empty or not, while events are on)."""
+        if not self._events_on or self._kv is None:
+            return None
+        out = ShmkvKVEvents(num_workers=1)
+        out.add_events(self._events)
+        self._events = []
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -425,12 +649,14 @@ class ShmkvConnector(KVConnectorBase_V1):
             # no valid K/V: vLLM recomputes it, and saves it then (update_connector_output)
             if op.req_id not in self._short_reqs:
                 self._save(op)
-        self.stats["save_seconds"] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats["save_seconds"] += dt
+        self._iv.observe("save_seconds", dt)
         self._dump_stats()
 
     def _save(self, op: SaveOp) -> None:
         kv, bs = self._kv, self._bs
-        assert self._layout is not None
+        assert self._layout is not None and kv is not None
         end = len(op.tokens)
         sid = None
         try:
@@ -451,8 +677,14 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._layout.copy(t, kp, vp, bs, dst, vblk, sub, to_vllm=False)
             kv.commit(sid)                      # every byte written: now findable
             self.stats["saved_tokens"] += end - have
+            self._iv.count("saved_tokens", end - have)
+            self._iv.count("saved_blocks", (end - have) // bs)
+            if op.hashes is not None:
+                self._announce(op.hashes, op.tokens, have // self._vb, end // self._vb,
+                               op.lora_name)
         except Exception as e:                  # full pool, foreign segment...: a miss later
             self.stats["save_errors"] += 1
+            self._iv.count("save_errors")
             log.warning("shmkv: save of %s failed (%s: %s)", op.req_id, type(e).__name__, e)
         finally:
             if sid is not None:
@@ -464,6 +696,10 @@ class ShmkvConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._lookups is not None:
             self._lookups.close()
+        if self._pending is not None:
+            self._pending.close()
+        if self._kv is None:
+            return
         try:
             self._kv.close()            # flushes the tier's queued writes first
         except Exception:

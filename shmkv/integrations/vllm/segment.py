@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["SegmentSpec", "segment_spec", "open_segment"]
 
-log = logging.getLogger("shmkv.vllm")
+log = logging.getLogger("vllm.shmkv")
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 _DEFAULT_GIB = 1.0

@@ -29,7 +29,7 @@ import shmkv
 
 __all__ = ["TierSpec", "tier_spec", "TierLookups", "DEFAULT_TIER_SEED"]
 
-log = logging.getLogger("shmkv.vllm")
+log = logging.getLogger("vllm.shmkv")
 
 # Hosts that share a tier must hash blocks with one seed (it is part of the tier's keys):
 # a segment the connector creates with a tier configured gets this one unless the extra
