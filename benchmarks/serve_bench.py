@@ -227,7 +227,8 @@ def start_instance(idx: int, core: int, model: str, tmp: Path, args, segment: Op
         lf.flush()
         p = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=lf, stderr=subprocess.STDOUT,
                              start_new_session=True)
-    proc = Proc(f"serve{idx}", p, logpath, keep_shm={f"/dev/shm/{segment}"} if segment else set())
+    keep = {f"/dev/shm/{segment}", f"/dev/shm/{segment}.pending"} if segment else set()
+    proc = Proc(f"serve{idx}", p, logpath, keep_shm=keep)
     return Instance(idx, core, port, proc, stats_file)
 
 
@@ -314,13 +315,16 @@ def unlink_segment(segment: str) -> None:
     import shmkv
 
     try:
-        shmkv.KVCache.attach(segment).unlink()
+        kv = shmkv.KVCache.attach(segment)
+        kv.unlink()
+        kv.close()
     except FileNotFoundError:
         pass
     except Exception as e:                     # still remove the file: leave nothing behind
         log(f"segment {segment}: {e!r}; removing /dev/shm/{segment}")
+    for f in (f"/dev/shm/{segment}", f"/dev/shm/{segment}.pending"):   # (pending marks)
         try:
-            os.unlink(f"/dev/shm/{segment}")
+            os.unlink(f)
         except FileNotFoundError:
             pass
 
@@ -613,7 +617,10 @@ def counters_delta(before: list[dict], after: list[dict]) -> dict:
     shm = sorted({k for a in after for k in a if k.startswith("vllm:shmkv_")
                   and "[" not in k})
     for k in shm:
-        out[k] = sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after, before))
+        if k.startswith("vllm:shmkv_segment_"):       # gauges of the one segment
+            out[k] = max(a.get(k, 0.0) for a in after)
+        elif k.endswith(("_total", "_sum", "_count")):
+            out[k] = sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after, before))
     return out
 
 
@@ -692,10 +699,13 @@ def others() -> str:
 
 
 # ------------------------------------------------------------------ the run
-def run_set(conn: bool, round_no: int, policies: list[str], model: str, tmp: Path, args,
+def run_set(conn: bool, blocks: list[tuple[int, list[str]]], model: str, tmp: Path, args,
             bench: BenchClient, texts: Texts, wl: WL, rows: list[dict], notes: list[str]) -> None:
-    tag = f"r{round_no}-{'shmkv' if conn else 'none'}"
-    segment = f"shmkv-servebench-{os.getpid()}-{round_no}" if conn else None
+    """One start of the instances (with or without the connector) serving `blocks`: (round,
+    policies) in order (consecutive rounds of the same kind share the instances; every run
+    has its own text, so none hits what an earlier one left)."""
+    tag = f"r{'+'.join(str(b[0]) for b in blocks)}-{'shmkv' if conn else 'none'}"
+    segment = f"shmkv-servebench-{os.getpid()}-{blocks[0][0]}" if conn else None
     insts: list[Instance] = []
     try:
         for k in range(args.instances):
@@ -704,9 +714,10 @@ def run_set(conn: bool, round_no: int, policies: list[str], model: str, tmp: Pat
         t_ready = wait_ready(insts, args.start_timeout)
         log(f"{tag}: {len(insts)} instances ready in {t_ready:.0f} s "
             f"(ports {[i.port for i in insts]})")
-        for pol in policies:
+        notes.append(f"{tag}: instances ready {t_ready:.0f} s after start")
+        for round_no, pol in [(r, p) for r, pols in blocks for p in pols]:
             cfg = pol + ("+shmkv" if conn else "")
-            rproc, rurl, pport = start_router(POLICY[pol], insts, tmp, f"{tag}-{pol}")
+            rproc, rurl, pport = start_router(POLICY[pol], insts, tmp, f"{tag}-{round_no}-{pol}")
             try:
                 for wname in args.workloads:
                     seed = 1000 * round_no + 17 * CONFIGS.index(cfg) + len(wname)
@@ -752,7 +763,7 @@ def run_set(conn: bool, round_no: int, policies: list[str], model: str, tmp: Pat
                 st = rproc.stop(grace=10)
                 if st["killed"]:
                     notes.append(f"router {tag}-{pol} needed SIGKILL")
-        if conn and args.kill_test and round_no == args.rounds - 1:
+        if conn and args.kill_test:
             kill_test(insts, segment, model, tmp, args, bench, texts, wl, notes, tag)
     finally:
         for i in insts:
@@ -908,14 +919,23 @@ def main() -> None:
     bench = BenchClient(tmp)
     t_start = time.time()
     try:
+        # ABBA: round r runs [none, shmkv] (r even) or [shmkv, none] (r odd), the policies
+        # reversed in odd rounds; neighbouring blocks of one kind share one start
+        plan: list[tuple[bool, list[tuple[int, list[str]]]]] = []
         for r in range(rounds):
-            sets = [False, True] if r % 2 == 0 else [True, False]
-            for conn in sets:
+            for conn in ([False, True] if r % 2 == 0 else [True, False]):
                 pols = [c.split("+")[0] for c in configs if ("+shmkv" in c) == conn]
                 if r % 2 == 1:
                     pols.reverse()
-                if pols:
-                    run_set(conn, r, pols, model, tmp, args, bench, texts, wl, rows, notes)
+                if not pols:
+                    continue
+                if plan and plan[-1][0] == conn:
+                    plan[-1][1].append((r, pols))
+                else:
+                    plan.append((conn, [(r, pols)]))
+        log("plan: " + "; ".join(f"{'shmkv' if c else 'none'} {b}" for c, b in plan))
+        for conn, blocks in plan:
+            run_set(conn, blocks, model, tmp, args, bench, texts, wl, rows, notes)
     finally:
         bench.close()
     load_after = os.getloadavg()
@@ -1039,8 +1059,15 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
           "tokens | load1 |", "|---:|---|---|---:|---:|---:|---|---:|"]
     for r in rows:
         c = r.get("connector") or {}
-        ls = (f"{c.get('loaded_tokens', 0):.0f} / {c.get('saved_tokens', 0):.0f}"
-              if c else "-")
+        m = r["counters"]
+        if "vllm:shmkv_loaded_tokens_total" in m:
+            ls = (f"{m['vllm:shmkv_loaded_tokens_total']:.0f} / "
+                  f"{m.get('vllm:shmkv_saved_tokens_total', 0):.0f} (/metrics); pending waits "
+                  f"{m.get('vllm:shmkv_pending_waits_total', 0):.0f}")
+        elif c:
+            ls = f"{c.get('loaded_tokens', 0):.0f} / {c.get('saved_tokens', 0):.0f} (stats file)"
+        else:
+            ls = "-"
         L.append(f"| {r['round']} | {r['workload']} | {r['config']} | {r['req_s']:.2f} | "
                  f"{r['ttft_p50']:.0f} | {r['cached_share']:.1%} | {ls} | {r['load1']:.2f} |")
     if notes:
