@@ -210,6 +210,11 @@ def start_instance(idx: int, core: int, model: str, tmp: Path, args, segment: Op
            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
     if args.scale_out:
         cmd.append("--enable-scale-out")
+    if not args.compile:
+        # vLLM 0.32 CPU recompiles the model at every start here ("Compiling model again due
+        # to a load failure ... 'function' object has no attribute 'finalize_loading'"):
+        # 3-4 min per start on the shared machine; eager for every configuration alike
+        cmd.append("--enforce-eager")
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                PYTHONUNBUFFERED="1")
     stats_file = None
@@ -270,9 +275,8 @@ def metrics(url: str) -> dict[str, float]:
             continue
         name, labels, val = m.group(1), m.group(2) or "", float(m.group(3))
         out[name] = out.get(name, 0.0) + val
-        src = re.search(r'source="([^"]+)"', labels)
-        if src:
-            key = f"{name}[{src.group(1)}]"
+        for lab in re.finditer(r'(source|decision|worker)="([^"]+)"', labels):
+            key = f"{name}[{lab.group(2)}]"
             out[key] = out.get(key, 0.0) + val
     return out
 
@@ -489,15 +493,15 @@ class WL:
     random_prompts: int
     random_in: int
     random_out: int
-    random_rate: float
+    random_concurrency: int     # all requests at once, this many in flight: capacity
 
 
-FULL = WL(sessions=16, systems=4, system_tokens=700, turns=3, answer_tokens=48, session_rate=1.5,
+FULL = WL(sessions=16, systems=8, system_tokens=700, turns=3, answer_tokens=48, session_rate=1.5,
           prefix_prompts=32, prefix_num=4, prefix_len=768, prefix_suffix=64, prefix_out=32,
-          prefix_rate=2.0, random_prompts=24, random_in=256, random_out=32, random_rate=2.0)
+          prefix_rate=2.0, random_prompts=24, random_in=256, random_out=32, random_concurrency=4)
 QUICK = WL(sessions=8, systems=2, system_tokens=600, turns=2, answer_tokens=32, session_rate=1.5,
            prefix_prompts=12, prefix_num=2, prefix_len=512, prefix_suffix=32, prefix_out=16,
-           prefix_rate=2.0, random_prompts=8, random_in=192, random_out=16, random_rate=2.0)
+           prefix_rate=2.0, random_prompts=8, random_in=192, random_out=16, random_concurrency=4)
 
 
 def common_argv(router_url: str, model: str, seed: int) -> list[str]:
@@ -560,7 +564,8 @@ def run_random(bench, wl: WL, router_url, model, seed) -> list[dict]:
     argv = common_argv(router_url, model, seed) + [
         "--dataset-name", "random", "--num-prompts", str(wl.random_prompts),
         "--random-input-len", str(wl.random_in), "--random-output-len", str(wl.random_out),
-        "--random-range-ratio", "0", "--request-rate", str(wl.random_rate)]
+        "--random-range-ratio", "0", "--request-rate", "inf",
+        "--max-concurrency", str(wl.random_concurrency)]
     return [bench.run(argv)]
 
 
@@ -715,6 +720,7 @@ def run_set(conn: bool, blocks: list[tuple[int, list[str]]], model: str, tmp: Pa
         log(f"{tag}: {len(insts)} instances ready in {t_ready:.0f} s "
             f"(ports {[i.port for i in insts]})")
         notes.append(f"{tag}: instances ready {t_ready:.0f} s after start")
+        warm_up(insts, texts)
         for round_no, pol in [(r, p) for r, pols in blocks for p in pols]:
             cfg = pol + ("+shmkv" if conn else "")
             rproc, rurl, pport = start_router(POLICY[pol], insts, tmp, f"{tag}-{round_no}-{pol}")
@@ -745,7 +751,7 @@ def run_set(conn: bool, blocks: list[tuple[int, list[str]]], model: str, tmp: Pa
                            "connector": dict_delta(cb, ca) if conn else {},
                            "segment": dict_delta([sb], [sa]) if conn else {},
                            "router": {k: ra.get(k, 0) - rb.get(k, 0) for k in ra
-                                      if "cache" in k or "decision" in k}}
+                                      if "[" in k and ("decision" in k or "cache" in k)}}
                     c = row["counters"]
                     pt = c["vllm:prompt_tokens_total"] or float("nan")
                     row["local_share"] = c["vllm:prefix_cache_hits_total"] / pt
@@ -779,6 +785,17 @@ def run_set(conn: bool, blocks: list[tuple[int, list[str]]], model: str, tmp: Pa
             except Exception as e:
                 notes.append(f"{tag}: shmkv check failed: {e!r}")
             unlink_segment(segment)
+
+
+def warm_up(insts: list[Instance], texts: Texts) -> None:
+    """Two short requests straight to each instance after its start (its first requests
+    are slower), with text no run uses; every configuration gets the same."""
+    for i in insts:
+        for k in range(2):
+            http_post(i.url + "/v1/completions",
+                      {"model": SERVED, "prompt": f"[warm-up {uuid.uuid4().hex}] "
+                       + texts.passage(300 * k + 50 * i.idx, 300), "max_tokens": 8,
+                       "temperature": 0})
 
 
 def kill_test(insts, segment, model, tmp, args, bench, texts, wl, notes, tag) -> None:
@@ -878,6 +895,8 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--no-scale-out", dest="scale_out", action="store_false",
                     help="start the engines without --enable-scale-out")
+    ap.add_argument("--compile", action="store_true",
+                    help="let vLLM torch.compile the model (default: --enforce-eager)")
     ap.add_argument("--kill-test", action="store_true",
                     help="item 5: SIGKILL an instance under load (last round, shmkv set)")
     ap.add_argument("--start-timeout", type=float, default=600)
@@ -1004,9 +1023,12 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
          f"Instances: {args.instances} x `vllm serve` (bfloat16, `--max-model-len "
          f"{args.max_model_len}`, own KV cache `--num-gpu-blocks-override "
          f"{args.instance_blocks}` = {args.instance_blocks * 128} tokens each"
-         f"{', `--enable-scale-out`' if args.scale_out else ''}), pinned to cores "
+         f"{', `--enable-scale-out`' if args.scale_out else ''}"
+         f"{'' if args.compile else ', `--enforce-eager`'}), pinned to cores "
          f"{args.cores[:args.instances]}; shmkv segment {args.segment_gib} GiB "
          f"(~{int(args.segment_gib * 2**30 / (30 * 3 * 64 * 2 * 2))} tokens of this model). "
+         "Each instance gets two short warm-up requests after its start (its first requests "
+         "are slow), the same in every configuration. "
          f"Router: vllm-router `--policy round_robin` (rr) / `cache_aware` (ca). Load: "
          "`vllm bench serve`, `--temperature 0 --ignore-eos`, Poisson arrivals.",
          "",
@@ -1022,7 +1044,9 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
          f"{wl.prefix_len} tokens, suffix {wl.prefix_suffix}, {wl.prefix_out} out, "
          f"{wl.prefix_prompts} requests at {wl.prefix_rate}/s.",
          f"- **random**: `--dataset-name random`, {wl.random_prompts} requests of "
-         f"{wl.random_in} tokens, {wl.random_out} out, at {wl.random_rate}/s (no reuse).",
+         f"{wl.random_in} tokens, {wl.random_out} out, all at once with `--max-concurrency "
+         f"{wl.random_concurrency}` (no reuse; the fleet saturated, so requests/s and output "
+         "tokens/s are its capacity: the connector's overhead).",
          "",
          "Cached share: (`vllm:prefix_cache_hits` + `vllm:external_prefix_cache_hits`) / "
          "`vllm:prompt_tokens`, summed over the instances' `/metrics`; local = vLLM's own "
@@ -1056,7 +1080,8 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
     L += ["", "## Targets (issue 32)", ""] + targets(rows)
     L += ["", "## Per run", "",
           "| round | workload | config | req/s | TTFT p50 ms | cached | connector loaded / saved "
-          "tokens | load1 |", "|---:|---|---|---:|---:|---:|---|---:|"]
+          "tokens | router's cache-aware decisions | load1 |",
+          "|---:|---|---|---:|---:|---:|---|---|---:|"]
     for r in rows:
         c = r.get("connector") or {}
         m = r["counters"]
@@ -1068,8 +1093,12 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
             ls = f"{c.get('loaded_tokens', 0):.0f} / {c.get('saved_tokens', 0):.0f} (stats file)"
         else:
             ls = "-"
+        dec = {k.split("[", 1)[1].rstrip("]"): v for k, v in r.get("router", {}).items()
+               if k.startswith("vllm_router_cache_aware_decision") and v}
+        ds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(dec.items())) or "-"
         L.append(f"| {r['round']} | {r['workload']} | {r['config']} | {r['req_s']:.2f} | "
-                 f"{r['ttft_p50']:.0f} | {r['cached_share']:.1%} | {ls} | {r['load1']:.2f} |")
+                 f"{r['ttft_p50']:.0f} | {r['cached_share']:.1%} | {ls} | {ds} | "
+                 f"{r['load1']:.2f} |")
     if notes:
         L += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     L += ["", f"![serve benchmark]({png.name})", ""]
