@@ -827,6 +827,7 @@ def kill_test(insts, segment, model, tmp, args, bench, texts, wl, notes, tag) ->
                 holder["err"] = repr(e)
 
         th = threading.Thread(target=load)
+        t_load = time.time()
         th.start()
         time.sleep(3.0)
         pids = group_pids(victim.proc.popen.pid)
@@ -860,18 +861,27 @@ def kill_test(insts, segment, model, tmp, args, bench, texts, wl, notes, tag) ->
                              argparse.Namespace(**{**vars(args)}), segment, tag + "-restart")
         insts[insts.index(victim)] = new
         wait_ready([new], args.start_timeout)
-        res["restart_ready_s"] = time.time() - t2
-        res["killed_at_s_into_load"] = tk - t0
-        hits = []
-        for d in docs:
+        res["restart_ready_s"] = round(time.time() - t2, 1)
+        warm_up([new], texts)
+        # each published prompt, then one of the same length never seen anywhere (the
+        # restarted instance's cold time, measured alongside)
+        fresh = [f"[kill-cold {uuid.uuid4().hex[:8]} {k}] " + texts.passage(400 * k + 2207, 900)
+                 for k in range(len(docs))]
+
+        def ask(prompt: str) -> dict:
             t3 = time.time()
             p = http_post(new.url + "/v1/completions",
-                          {"model": SERVED, "prompt": d, "max_tokens": 1, "temperature": 0})
-            det = (p["usage"].get("prompt_tokens_details") or {})
-            hits.append({"s": round(time.time() - t3, 3),
-                         "prompt_tokens": p["usage"]["prompt_tokens"],
-                         "cached_tokens": det.get("cached_tokens")})
+                          {"model": SERVED, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            return {"s": round(time.time() - t3, 3), "prompt_tokens": p["usage"]["prompt_tokens"],
+                    "cached_tokens": (p["usage"].get("prompt_tokens_details")
+                                      or {}).get("cached_tokens")}
+
+        hits, colds = [], []
+        for d, f in zip(docs, fresh):
+            hits.append(ask(d))
+            colds.append(ask(f))
         res["restarted_first_requests"] = hits
+        res["restarted_cold_requests"] = colds
         res["check_at_end"] = seg_check(segment)
     finally:
         rproc.stop(grace=10)
