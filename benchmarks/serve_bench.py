@@ -751,7 +751,7 @@ def run_set(conn: bool, blocks: list[tuple[int, list[str]]], model: str, tmp: Pa
                            "connector": dict_delta(cb, ca) if conn else {},
                            "segment": dict_delta([sb], [sa]) if conn else {},
                            "router": {k: ra.get(k, 0) - rb.get(k, 0) for k in ra
-                                      if "[" in k and ("decision" in k or "cache" in k)}}
+                                      if "[" in k and "decision" in k}}
                     c = row["counters"]
                     pt = c["vllm:prompt_tokens_total"] or float("nan")
                     row["local_share"] = c["vllm:prefix_cache_hits_total"] / pt
@@ -1090,8 +1090,8 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
     L += ["", "## Targets (issue 32)", ""] + targets(rows)
     L += ["", "## Per run", "",
           "| round | workload | config | req/s | TTFT p50 ms | cached | connector loaded / saved "
-          "tokens | router's cache-aware decisions | load1 |",
-          "|---:|---|---|---:|---:|---:|---|---|---:|"]
+          "tokens | load1 |",
+          "|---:|---|---|---:|---:|---:|---|---:|"]
     for r in rows:
         c = r.get("connector") or {}
         m = r["counters"]
@@ -1103,16 +1103,46 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
             ls = f"{c.get('loaded_tokens', 0):.0f} / {c.get('saved_tokens', 0):.0f} (stats file)"
         else:
             ls = "-"
-        dec = {k.split("[", 1)[1].rstrip("]"): v for k, v in r.get("router", {}).items()
-               if k.startswith("vllm_router_cache_aware_decision") and v}
-        ds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(dec.items())) or "-"
         L.append(f"| {r['round']} | {r['workload']} | {r['config']} | {r['req_s']:.2f} | "
-                 f"{r['ttft_p50']:.0f} | {r['cached_share']:.1%} | {ls} | {ds} | "
-                 f"{r['load1']:.2f} |")
-    if notes:
-        L += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+                 f"{r['ttft_p50']:.0f} | {r['cached_share']:.1%} | {ls} | {r['load1']:.2f} |")
+    for n in notes:
+        if n.startswith("kill test: "):
+            L += ["", "## An instance SIGKILLed under load (issue 32, item 5)", ""]
+            L += kill_section(json.loads(n[len("kill test: "):]))
+    rest = [n for n in notes if not n.startswith("kill test: ")]
+    if rest:
+        L += ["", "## Notes", ""] + [f"- {n}" for n in rest]
     L += ["", f"![serve benchmark]({png.name})", ""]
     return "\n".join(L)
+
+
+def kill_section(k: dict) -> list[str]:
+    med_s = lambda xs: statistics.median([x["s"] for x in xs]) if xs else float("nan")  # noqa: E731
+    hits, colds = k.get("restarted_first_requests", []), k.get("restarted_cold_requests", [])
+    out = [
+        "Round-robin router over both instances with the connector. Instance 1 first "
+        f"computed {len(hits)} prompts of {k.get('victim_prompt_tokens')} tokens (cold, "
+        f"{k.get('victim_cold_s', float('nan')):.2f} s each on average) and published them; "
+        "then the no-reuse load ran through the router and instance 1's process group got "
+        f"SIGKILL {k.get('killed_at_s_into_load')} s into it.",
+        f"- requests of that load: {k.get('load_during_kill')} (those in flight on the killed "
+        "instance fail: the router does not retry a request whose stream broke; the rest "
+        "went to the survivor)",
+        f"- the survivor answered through the router {k.get('survivor_after_kill_s', 0):.2f} s "
+        f"after the kill: {k.get('survivor_ok')}",
+        f"- vLLM's shared memory the killed group left in /dev/shm (recorded from "
+        f"/proc/PID/maps before the kill, then unlinked): {k.get('unlinked_after_kill')}",
+        f"- `check()` of the segment right after the kill (the survivor attached): "
+        f"{k.get('check_after_kill') or 'clean'}; segment counters: {k.get('reclaimed')}",
+        f"- instance 1 restarted (same core, same segment): ready in "
+        f"{k.get('restart_ready_s')} s; its first requests for the prompts the dead "
+        f"instance published: cached tokens {[h.get('cached_tokens') for h in hits]} of "
+        f"{[h.get('prompt_tokens') for h in hits]}, {med_s(hits):.2f} s (median) against "
+        f"{med_s(colds):.2f} s for prompts of the same length it had never seen, asked "
+        "alternately",
+        f"- `check()` at the end: {k.get('check_at_end') or 'clean'}",
+    ]
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
