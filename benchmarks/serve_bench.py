@@ -219,7 +219,8 @@ def start_instance(idx: int, core: int, model: str, tmp: Path, args, segment: Op
                PYTHONUNBUFFERED="1")
     stats_file = None
     if segment is not None:
-        extra = {"segment": segment, "size_gib": args.segment_gib}
+        extra = {"segment": segment, "size_gib": args.segment_gib,
+                 **json.loads(args.connector_extra or "{}")}
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "ShmkvConnector", "kv_connector_module_path": "shmkv.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -905,6 +906,8 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--no-scale-out", dest="scale_out", action="store_false",
                     help="start the engines without --enable-scale-out")
+    ap.add_argument("--connector-extra", default="",
+                    help="JSON merged into kv_connector_extra_config (e.g. '{\"pending\": false}')")
     ap.add_argument("--compile", action="store_true",
                     help="let vLLM torch.compile the model (default: --enforce-eager)")
     ap.add_argument("--kill-test", action="store_true",
