@@ -9,7 +9,7 @@ BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
+.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm demo-serve bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
 	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage
 
 all: install
@@ -107,6 +107,14 @@ test-vllm: test-vllm-deps model
 # Two vLLM instances, one at a time, sharing system prompts through one segment.
 demo-vllm: test-vllm-deps model
 	$(VPY) tools/vllm_demo.py
+
+# A fleet: two `vllm serve` instances on one segment behind PyPI's vllm-router, a chat client.
+demo-serve: test-vllm-deps model $(VLLM_VENV)/.router
+	$(VPY) tools/serve_demo.py
+
+$(VLLM_VENV)/.router: $(VLLM_DEPS)
+	$(VPIP) install -q "vllm-router==0.1.17"
+	touch $@
 
 bench-vllm: test-vllm-deps model
 	$(VPY) benchmarks/vllm_bench.py
