@@ -10,7 +10,8 @@ SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typ
 PYTEST_ARGS ?=
 
 .PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
-	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage
+	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage \
+	test-compat dist-check docs
 
 all: install
 
@@ -219,4 +220,13 @@ coverage: $(DEPS) redis
 
 clean:
 	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .cython-variant .fuzz .coverage-c .pytest_cache .hypothesis .mypy_cache
+	rm -rf .compat .dist-check site .venv-docs
 	rm -rf $(VENV) $(VLLM_VENV)
+
+# ---- the versions users get, packaging, docs (issue 34) ---------------------------------
+# make test-compat: each integration's dependencies at the lowest and the newest tested
+# version (shmkv/_compat.py TESTED = pyproject's extras), two plain venvs in .compat/
+# against one wheel of this checkout, a focused subset of the suite in each; prints the
+# versions tested. torch is 2.13.0 in both (the only build installable here).
+test-compat: $(DEPS) redis
+	$(PYTHON) tools/test_compat.py --python $(PY)
