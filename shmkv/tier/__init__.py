@@ -115,6 +115,8 @@ class RedisTier:
     close_timeout : float
         What ``set_tier(None)`` and ``close()`` give queued writes (default 5.0 s).
 
+    Notes
+    -----
     Connects lazily: a cluster that is down now is a counted error later, not an
     exception here.  One object may serve several handles (each gets its own queue,
     writer thread and connections).

@@ -253,6 +253,8 @@ class ShmkvCache(Cache):
         Without it the cache binds the model on its first forward by itself (that forward's
         ids are then known only through ``prompt_ids``).
 
+    Notes
+    -----
     The cache holds its sequences until :meth:`close` (or the ``with`` block, or the
     object being dropped) frees them, or :meth:`release` hands their ids back unfreed.
     Pool exhaustion during ``generate`` raises ``shmkv.CacheFullError`` after freeing
