@@ -9,8 +9,11 @@ BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench-serve bench bench-deps bench-quick lint debug chaos fuzz clean \
-	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage
+.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
+	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage \
+	test-compat dist-check docs
+.PHONY: demo-serve
+.PHONY: bench-serve
 
 all: install
 
@@ -107,6 +110,14 @@ test-vllm: test-vllm-deps model
 # Two vLLM instances, one at a time, sharing system prompts through one segment.
 demo-vllm: test-vllm-deps model
 	$(VPY) tools/vllm_demo.py
+
+# A fleet: two `vllm serve` instances on one segment behind PyPI's vllm-router, a chat client.
+demo-serve: test-vllm-deps model $(VLLM_VENV)/.router
+	$(VPY) tools/serve_demo.py
+
+$(VLLM_VENV)/.router: $(VLLM_DEPS)
+	$(VPIP) install -q "vllm-router==0.1.17"
+	touch $@
 
 bench-vllm: test-vllm-deps model
 	$(VPY) benchmarks/vllm_bench.py
@@ -234,4 +245,32 @@ coverage: $(DEPS) redis
 
 clean:
 	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .cython-variant .fuzz .coverage-c .pytest_cache .hypothesis .mypy_cache
+	rm -rf .compat .dist-check site
 	rm -rf $(VENV) $(VLLM_VENV)
+
+# ---- the versions users get, packaging, docs (issue 34) ---------------------------------
+# make test-compat: each integration's dependencies at the lowest and the newest tested
+# version (shmkv/_compat.py TESTED = pyproject's extras), two plain venvs in .compat/
+# against one wheel of this checkout, a focused subset of the suite in each; prints the
+# versions tested. torch is 2.13.0 in both (the only build installable here).
+test-compat: $(DEPS) redis
+	$(PYTHON) tools/test_compat.py --python $(PY)
+
+# make dist-check: sdist + wheel (python -m build, the wheel from the sdist), twine check,
+# auditwheel show, each installed into a fresh venv from /tmp and smoke-tested
+# (tools/dist_check.sh; work and artifacts in .dist-check/).
+dist-check:
+	PYTHON=$(PYTHON) tools/dist_check.sh
+
+# make docs: the site (MkDocs Material + mkdocstrings, mkdocs.yml) into site/, warnings
+# as errors. The API reference is read from the *installed* package (griffe inspects the
+# compiled modules, whose docstrings live in the .pyx, and reads the Python modules'
+# sources), so it builds into .venv beside the package; the docs' own packages are pinned.
+$(VENV)/.docs: $(DEPS)
+	$(PIP) install -q "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings==1.0.8" \
+		"mkdocstrings-python==2.0.11"
+	touch $@
+
+docs: install $(VENV)/.docs
+	SHMKV_DOCS_PATH=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['platlib'])") \
+		NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site

@@ -472,7 +472,9 @@ cdef class Segment:
     cdef _bind(self, _Attachment att):
         self._att = att
         self.ctx = &att.ctx
-        self.name = att.name
+        # the name as users write it and the CLI shows it ("llama-cache"): the leading "/"
+        # of the POSIX name is the system's spelling (shm_open), kept in att.name
+        self.name = att.name[1:]
         self.config = cfg_object(&att.ctx.cfg)
         self._dtype = self.config.numpy_dtype
         self._descr = self._dtype
@@ -521,7 +523,7 @@ cdef class Segment:
         """Remove the segment's name.  Attached processes keep working.  A name that is
         gone, or that now names another segment, is left alone."""
         try:
-            shm = posix_ipc.SharedMemory(self.name)
+            shm = posix_ipc.SharedMemory(self._att.name)
         except posix_ipc.ExistentialError:
             return
         try:
@@ -531,7 +533,7 @@ cdef class Segment:
         if (st.st_dev, st.st_ino) != self._att.key:
             return
         try:
-            posix_ipc.unlink_shared_memory(self.name)
+            posix_ipc.unlink_shared_memory(self._att.name)
         except posix_ipc.ExistentialError:
             pass
         from .pending import unlink_pending     # the segment's pending marks go with it

@@ -162,6 +162,8 @@ cdef class DataOps(QuantOps):
             the call returns, findable by every process (prefix cache).  A sequence
             appended to without tokens stops being hashed.
 
+        Notes
+        -----
         The tokens become visible to gather (in every process) all together, when the
         call returns.  Raises CacheFullError with no effect when the pool is short.
         """

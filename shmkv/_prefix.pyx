@@ -276,17 +276,19 @@ cdef class PrefixOps(InspectOps):
         exclude : iterable of int
             Sequence ids never to evict (the batch being scheduled).
 
-        Only sequences this process owns, detached ones and those of dead processes
-        are candidates: another live process may be between reserve() and write() on
-        its own sequences, and freeing those under it would let its write land in
-        blocks that now hold someone else's data.
-
         Returns
         -------
         list of int
             The evicted sequence ids, in eviction order (empty if enough was free).
             A candidate being used at this moment is skipped; if the target cannot be
             met, every candidate is evicted.
+
+        Notes
+        -----
+        Only sequences this process owns, detached ones and those of dead processes
+        are candidates: another live process may be between reserve() and write() on
+        its own sequences, and freeing those under it would let its write land in
+        blocks that now hold someone else's data.
         """
         cdef shmkv_ctx_t *c = ctx_of(self)
         cdef uint32_t s

@@ -48,6 +48,25 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
         raise ValueError(f"{name}: expected {lo} <= {name} <= {hi}, got {value}")
 
 
+def _dtype_name(dtype: object) -> str:
+    """A pool dtype's name: a name as it is, a numpy dtype or scalar type by its name
+    (ml_dtypes' ``float8_e4m3fn`` is the pool ``"float8_e4m3"``)."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            import numpy as np
+
+            name = np.dtype(dtype).name  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)} or a numpy dtype, "
+                             f"got {dtype!r}") from None
+        name = {"float8_e4m3fn": "float8_e4m3"}.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    return name
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Shape of a paged KV cache.
@@ -62,15 +81,18 @@ class CacheConfig:
         position in every layer's pool).
     block_size : int
         Tokens per block.
-    dtype : {"float16", "float32", "bfloat16", "int8", "float8_e4m3"}
-        Element type of the pools.  ``bfloat16`` and ``float8_e4m3`` need the
-        ``ml_dtypes`` package for numpy arrays.  ``int8`` and ``float8_e4m3`` are
-        *quantized*: ``int8`` is symmetric int8 with one float32 scale per token and kv
-        head (K and V apart), ``float8_e4m3`` is e4m3fn (``ml_dtypes.float8_e4m3fn``)
-        with one float32 scale per layer and kv head (``KVCache.set_kv_scales``, default
-        1.0).  A quantized pool is written and read in its :attr:`compute_dtype`
-        (float32): ``append``/``write`` take float32/float16/bfloat16 arrays and quantize,
-        ``gather`` returns float32 (or, with ``raw=True``, the codes and scales).
+    dtype : {"float16", "float32", "bfloat16", "int8", "float8_e4m3"} or a numpy dtype
+        Element type of the pools.  A numpy dtype or scalar type (``np.float16``,
+        ``np.dtype("float32")``, ``ml_dtypes.bfloat16``, ``ml_dtypes.float8_e4m3fn``) is
+        taken as its name; the field always holds the name.  ``bfloat16`` and
+        ``float8_e4m3`` need the ``ml_dtypes`` package for numpy arrays.  ``int8`` and
+        ``float8_e4m3`` are *quantized*: ``int8`` is symmetric int8 with one float32
+        scale per token and kv head (K and V apart), ``float8_e4m3`` is e4m3fn
+        (``ml_dtypes.float8_e4m3fn``) with one float32 scale per layer and kv head
+        (``KVCache.set_kv_scales``, default 1.0).  A quantized pool is written and read in
+        its :attr:`compute_dtype` (float32): ``append``/``write`` take
+        float32/float16/bfloat16 arrays and quantize, ``gather`` returns float32 (or, with
+        ``raw=True``, the codes and scales).
     max_seqs : int
         Sequence slots in the segment.
     max_seq_len : int or None
@@ -109,8 +131,7 @@ class CacheConfig:
         for name, hi in _LIMITS.items():
             _check_int(name, getattr(self, name), 1, hi)
             object.__setattr__(self, name, int(getattr(self, name)))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         _check_int("event_capacity", self.event_capacity, 0, _MAX_EVENTS)
         object.__setattr__(self, "event_capacity", int(self.event_capacity))
         if self.event_capacity and self.block_size > _EVENT_MAX_TOKENS:

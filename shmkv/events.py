@@ -136,6 +136,10 @@ class ZmqEventPublisher:
                  topic: str = "", buffer_steps: int = 10_000, hwm: int = 100_000,
                  data_parallel_rank: int = 0, medium: Optional[str] = "CPU",
                  schema: str = "0.32") -> None:
+        from ._compat import check
+
+        check("pyzmq", what="shmkv.events.ZmqEventPublisher", module="zmq")
+        check("msgspec", what="shmkv.events.ZmqEventPublisher")
         import msgspec
         import zmq
 

@@ -59,7 +59,7 @@ def test_config_rejects_bad_int_fields(field, bad):
 
 
 @pytest.mark.parametrize("field,bad", [
-    ("dtype", "float64"), ("dtype", "fp16"), ("dtype", np.float16), ("dtype", None),
+    ("dtype", "float64"), ("dtype", "fp16"), ("dtype", np.float64), ("dtype", None),
     ("hash", "md5"), ("hash", None),
     ("max_seq_len", 0), ("max_seq_len", -4), ("max_seq_len", 64 * 4 + 1),
     ("max_seq_len", 8.0), ("max_seq_len", True),

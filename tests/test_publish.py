@@ -4,11 +4,14 @@ the tiny seeded model (fast; the real model's chats are in test_real_model.py).
 What is recorded is checked against the generated sequences themselves (``token_ids``) and
 through what another cache can find (``match_prefix``); a forward whose ids are not safe to
 record (padded, fed embeddings, shifted positions) must publish nothing."""
+import inspect
+
 import numpy as np
 import pytest
 import torch
 from hf_workers import VOCAB, make_model
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaModel
 
 from shmkv.integrations.transformers import ShmkvCache, config_for
 
@@ -66,6 +69,32 @@ def test_generated_tokens_are_recorded_and_published(model, make_kv):
     scale = max(float(x.abs().max()) for x in ref.logits)
     assert max(float((a - b).abs().max()) for a, b in zip(ref.logits, got.logits)) < 1e-4 * scale
     assert kv.check() == []
+
+
+# transformers 5.24 renamed every model forward's `past_key_values` to `cache` (the old name
+# deprecated, translated by a decorator after the forward hooks ran): the decoder hook
+# must find the cache under either name, or generated tokens silently stop being published
+# (issue 34: a chat's next turn hit 16 of 94 tokens instead of 80).
+CACHE_KWARGS = ["past_key_values"] + (
+    ["cache"] if "cache" in inspect.signature(LlamaModel.forward).parameters else [])
+
+
+@pytest.mark.parametrize("kwarg", CACHE_KWARGS)
+def test_published_whichever_name_the_cache_is_passed_by(model, make_kv, kwarg):
+    kv = make_kv(model)
+    ids = prompts(1, 7, seed=21)
+    with ShmkvCache(kv, prompt_ids=ids, model=model) as past:
+        out = model.generate(ids, **{kwarg: past}, max_new_tokens=10, **GREEDY)
+        n = stored(out, 7)
+        assert n > full_blocks(7)                  # generated tokens reached the cache
+        assert np.array_equal(kv.token_ids(past.sequence_ids[0]), out.sequences[0, :n].numpy())
+        # direct calls, as a hand-written decode loop makes them
+        step = out.sequences[:, n:n + 1]
+        model(input_ids=step, **{kwarg: past}, use_cache=True)
+        assert kv.seq_len(past.sequence_ids[0]) == n + 1
+        assert np.array_equal(kv.token_ids(past.sequence_ids[0]),
+                              out.sequences[0, :n + 1].numpy())
+    assert kv.match_prefix(out.sequences[0].numpy()) == full_blocks(n + 1)
 
 
 def test_binding_by_itself_and_without_prompt_ids(make_kv):

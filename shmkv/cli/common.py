@@ -89,6 +89,21 @@ def parse_size(text):
     return int(value * _SIZE_UNITS[unit])
 
 
+def plural(n, one, many=None):
+    """'1 dead process', '2 dead processes': the count and the noun that agrees with it
+    (``many`` defaults to ``one + "s"``; "process" -> "processes")."""
+    if many is None:
+        many = one + ("es" if one.endswith("s") else "s")
+    return f"{n} {one if n == 1 else many}"
+
+
+def held_by_dead(pids):
+    """'held by a dead process (pid 7)' / 'held by dead processes (pid 7, 9)'."""
+    pids = list(pids)
+    who = "a dead process" if len(pids) == 1 else "dead processes"
+    return f"held by {who} (pid {', '.join(map(str, pids)) or '?'})"
+
+
 def shmkv_version():
     from .. import __version__
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from .. import _core
@@ -336,6 +337,42 @@ def _command_index(argv):
     return None
 
 
+def _value_options(parser):
+    """Every option string (of the parser and its subcommands) that takes a value."""
+    out = set()
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                out |= _value_options(sub)
+        elif a.option_strings and a.nargs is None and a.const is None:
+            out.update(a.option_strings)
+    return out
+
+
+_NEGATIVE = re.compile(r"-[0-9.]")
+
+
+def _join_negative_values(parser, argv):
+    """``--memory -1GiB`` -> ``--memory=-1GiB``: argparse takes a value that starts with
+    '-' (but is not a plain negative number) for an option and answers "expected one
+    argument"; joined, the value reaches the option's own check, whose message names what
+    was expected and what came."""
+    opts = _value_options(parser)
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            out += argv[i:]
+            break
+        if a in opts and i + 1 < len(argv) and _NEGATIVE.match(argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def main(argv=None):
     """Entry point of the `shmkv` console script and `python -m shmkv`; returns the exit
     code."""
@@ -345,6 +382,7 @@ def main(argv=None):
         if i is not None and argv[i] == "demo":     # everything after it is the demo's
             return cmd_demo(argv[i + 1:])
         parser = build_parser()
+        argv = _join_negative_values(parser, argv)
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:         # --help, --version, usage errors

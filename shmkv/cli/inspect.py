@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from .. import _core
-from .common import EXIT_OK, SHM_DIR
+from .common import EXIT_OK, SHM_DIR, plural
 from .reader import dead_hint, load_view, scan, seg_path, seg_state
 from .render import (
     STATE_STYLE,
@@ -53,8 +53,9 @@ def cmd_ls(args):
                          r["num_sequences"], r["processes_alive"],
                          (str(dead), "bold red") if dead else "0", st])
             if r["dead_sequences"] or dead:
-                notes.append(f"{r['name']}: {r['dead_sequences']} sequences / "
-                             f"{r['dead_blocks']} blocks held by {dead} dead process(es) - "
+                notes.append(f"{r['name']}: {plural(r['dead_sequences'], 'sequence')} / "
+                             f"{plural(r['dead_blocks'], 'block')} held by "
+                             f"{plural(dead, 'dead process')} - "
                              f"`shmkv recover {r['name']}`")
         else:
             body.append([r["name"], size, "-", "-", "-", "-", "-", "-", st])
@@ -104,7 +105,7 @@ def cmd_info(args):
 
     print(paint(f"segment {args.name}", "bold") + f"  ({doc['path']})")
     kv("state", paint(doc["state"], STATE_STYLE[doc["state"]])
-       + f"  ({u['processes_alive']} live, {u['processes_dead']} dead processes)")
+       + f"  ({u['processes_alive']} live, {plural(u['processes_dead'], 'dead process')})")
     kv("layout version", f"{doc['layout_version']} (this shmkv reads "
        f"{doc['supported_layout_version']}), ABI {doc['abi_fingerprint']}")
     kv("created", f"{doc['create_time']} by pid {doc['creator_pid']}")
@@ -207,7 +208,7 @@ def cmd_procs(args):
                 for p in procs]
         print(table(["PID", "SLOT", "STATE", "ATTACHED", "SEQS", "TOKENS", "BLOCKS", "EXCLUSIVE",
                      "INFLIGHT", "CACHE", "COMMAND"], rows, align="rrlrrrrrrrl"))
-    print(f"{view['alive']} live, {view['dead']['processes']} dead processes "
+    print(f"{view['alive']} live, {plural(view['dead']['processes'], 'dead process')} "
           f"(max {view['cfg'].max_procs}); BLOCKS: blocks its sequences reference, "
           "EXCLUSIVE: referenced by no other process, CACHE: free blocks / sequence "
           "slots it keeps for itself (counted as free)")

@@ -7,7 +7,7 @@ import sys
 
 from ..config import CacheConfig
 from ..errors import LockTimeout
-from .common import EXIT_OK, EXIT_PROBLEMS, PRESETS, CLIError, model_str
+from .common import EXIT_OK, EXIT_PROBLEMS, PRESETS, CLIError, held_by_dead, model_str, plural
 from .reader import analyze, attach, liveness, load, lock_holders, scan, seg_path
 from .render import emit_json, fmt_bytes, fmt_duration, paint
 
@@ -16,11 +16,12 @@ def _recover_line(name, r):
     if not (r["sequences"] or r["blocks"] or r["processes"] or r["locks"] or r["tail_blocks"]
             or r["corrupt_sequences"]):
         return f"{name}: nothing to reclaim (recovery pass took {fmt_duration(r['duration_s'])})"
-    return (f"{name}: reclaimed {r['sequences']} sequences and {r['blocks']} blocks from "
-            f"{r['processes']} dead processes ({r['locks']} locks released, "
-            f"{r['tail_blocks']} unpublished tail blocks trimmed, {r['refcounts_fixed']} "
-            f"inconsistent refcounts repaired, {r['corrupt_sequences']} corrupt sequences "
-            f"dropped) in "
+    return (f"{name}: reclaimed {plural(r['sequences'], 'sequence')} and "
+            f"{plural(r['blocks'], 'block')} from {plural(r['processes'], 'dead process')} "
+            f"({plural(r['locks'], 'lock')} released, "
+            f"{plural(r['tail_blocks'], 'unpublished tail block')} trimmed, "
+            f"{plural(r['refcounts_fixed'], 'inconsistent refcount')} repaired, "
+            f"{plural(r['corrupt_sequences'], 'corrupt sequence')} dropped) in "
             f"{fmt_duration(r['duration_s'])}")
 
 
@@ -58,9 +59,9 @@ def cmd_check(args):
         cache.close()
     view = analyze(load(args.name, tables=True))
     if args.strict and not args.repair and (dead_before["sequences"] or dead_before["blocks"]):
-        problems.append(f"{dead_before['sequences']} sequences / {dead_before['blocks']} "
-                        f"blocks were held by dead processes "
-                        f"(pid {', '.join(map(str, dead_before['pids']))})")
+        problems.append(f"{plural(dead_before['sequences'], 'sequence')} / "
+                        f"{plural(dead_before['blocks'], 'block')} were "
+                        f"{held_by_dead(dead_before['pids'])}")
     ok = not problems
     if args.json:
         emit_json(dict(name=args.name, consistent=ok, problems=problems, repair=repair,
@@ -70,8 +71,9 @@ def cmd_check(args):
         print(_recover_line(args.name, repair))
     if ok:
         print(paint(f"{args.name}: consistent", "green") +
-              f" ({view['cfg'].num_blocks} blocks, {len(view['seqs'])} sequences, "
-              f"{len(view['procs'])} processes)")
+              f" ({plural(view['cfg'].num_blocks, 'block')}, "
+              f"{plural(len(view['seqs']), 'sequence')}, "
+              f"{plural(len(view['procs']), 'process')})")
     else:
         print(paint(f"{args.name}: {len(problems)} problem(s)", "bold red"))
         for p in problems:
@@ -80,9 +82,9 @@ def cmd_check(args):
             print(f"`shmkv check --repair {args.name}` runs recovery first")
     if not args.repair and not args.strict and (dead_before["sequences"]
                                                 or dead_before["processes"]):
-        print(paint(f"note: {dead_before['sequences']} sequences / {dead_before['blocks']} "
-                    f"blocks were held by dead processes (pid "
-                    f"{', '.join(map(str, dead_before['pids']))}): a leak, not an "
+        print(paint(f"note: {plural(dead_before['sequences'], 'sequence')} / "
+                    f"{plural(dead_before['blocks'], 'block')} were "
+                    f"{held_by_dead(dead_before['pids'])}: a leak, not an "
                     "inconsistency", "yellow"))
     return EXIT_OK if ok else EXIT_PROBLEMS
 
@@ -211,7 +213,8 @@ def _rm_stale(args):
         print("no stale segments")
     for r in out:
         verb = "would remove" if args.dry_run else ("removed" if r["removed"] else "gone:")
-        extra = (f" ({r['processes_dead']} dead processes, {r['num_sequences']} sequences)"
+        extra = (f" ({plural(r['processes_dead'], 'dead process')}, "
+                 f"{plural(r['num_sequences'], 'sequence')})"
                  if r["processes_dead"] is not None else "")
         print(f"{verb} {r['name']}: {r['state']}{extra}")
     return EXIT_OK

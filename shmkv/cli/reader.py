@@ -23,7 +23,9 @@ from .common import (
     SHARED,
     SHM_DIR,
     CLIError,
+    held_by_dead,
     model_str,
+    plural,
     shmkv_version,
 )
 
@@ -268,9 +270,8 @@ def seg_state(snap, view):
 def dead_hint(name, dead):
     if not dead["sequences"] and not dead["processes"]:
         return None
-    pids = ", ".join(map(str, dead["pids"])) or "?"
-    return (f"{dead['sequences']} sequences / {dead['blocks']} blocks held by dead "
-            f"processes (pid {pids}) - run `shmkv recover {name}` to reclaim them")
+    return (f"{plural(dead['sequences'], 'sequence')} / {plural(dead['blocks'], 'block')} "
+            f"{held_by_dead(dead['pids'])} - run `shmkv recover {name}` to reclaim them")
 
 
 def scan(patterns=(), include_all=False):

@@ -115,6 +115,8 @@ class RedisTier:
     close_timeout : float
         What ``set_tier(None)`` and ``close()`` give queued writes (default 5.0 s).
 
+    Notes
+    -----
     Connects lazily: a cluster that is down now is a counted error later, not an
     exception here.  One object may serve several handles (each gets its own queue,
     writer thread and connections).
@@ -125,11 +127,11 @@ class RedisTier:
                  ttl: Optional[int] = None, max_queue: int = 4096, batch_blocks: int = 16,
                  max_window: int = 16, backoff: tuple[float, float] = (0.5, 5.0),
                  close_timeout: float = 5.0) -> None:
-        try:
-            import redis  # noqa: F401  (the topology client; fail here, not in a hook)
-        except ImportError:
-            raise ImportError('shmkv.RedisTier needs redis-py: pip install "shmkv[redis]"') \
-                from None
+        # redis-py is the topology client: fail here, not in a hook (ImportError naming the
+        # extra), and warn once for a version outside the tested range
+        from .._compat import check
+
+        check("redis", what="shmkv.RedisTier")
         if timeout <= 0 or connect_timeout <= 0:
             raise ValueError("timeout, connect_timeout: expected > 0")
         if max_queue < 1 or batch_blocks < 1 or max_window < 1:

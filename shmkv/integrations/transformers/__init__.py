@@ -25,18 +25,24 @@ How the pieces meet (one forward of ``q_len`` tokens for ``B`` rows):
   map to ``fork`` / ``free``: a row used once keeps its sequence, every further use is a
   fork (blocks shared copy-on-write), unused rows are freed.
 
-Requires torch and transformers (``pip install "shmkv[transformers]"``); tested with
-transformers 5.23.0 and torch 2.13.0.
+Requires torch and transformers (``pip install "shmkv[transformers]"``; without them this
+import raises ``ImportError`` saying so); the versions tested are in ``shmkv._compat.TESTED``
+(another version warns once, ``ShmkvVersionWarning``).
 """
 from __future__ import annotations
 
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from ..._compat import check as _check
 
-from .attention import ATTN_IMPLEMENTATION, shmkv_attention_forward, shmkv_mask
-from .cache import ShmkvCache
-from .calibrate import calibrate_kv_scales
-from .config import config_for
+_check("torch", what="shmkv.integrations.transformers")
+_check("transformers", what="shmkv.integrations.transformers")
+
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+from .attention import ATTN_IMPLEMENTATION, shmkv_attention_forward, shmkv_mask  # noqa: E402
+from .cache import ShmkvCache  # noqa: E402
+from .calibrate import calibrate_kv_scales  # noqa: E402
+from .config import config_for  # noqa: E402
 
 __all__ = ["ShmkvCache", "calibrate_kv_scales", "config_for", "shmkv_attention_forward",
            "shmkv_mask", "ATTN_IMPLEMENTATION"]

@@ -57,7 +57,8 @@ def _caller_attn_implementation() -> Optional[str]:
 
 # ---- learning the token ids of every forward ----------------------------------------------
 # ``update`` gets K/V, never the ids they were computed from.  A forward pre-hook on the
-# model's decoder (the module that takes ``input_ids`` and ``past_key_values``) hands a
+# model's decoder (the module that takes ``input_ids`` and ``past_key_values``, named
+# ``cache`` from transformers 5.24: both are looked for) hands a
 # ShmkvCache the ids, the padding mask and the positions of the forward it is about to run;
 # a forward hook (always called, also when the forward raises) takes them back.  Layer 0's
 # ``update`` uses them only when they have its shape [batch, n], the positions are the
@@ -79,9 +80,18 @@ def _forward_args(module: torch.nn.Module, args: tuple, kwargs: dict) -> Dict[st
         return {}
 
 
+def _cache_arg(a: Dict[str, Any]) -> Any:
+    """The cache a forward was given: ``past_key_values`` (transformers <= 5.23) or
+    ``cache`` (5.24 renamed the argument of every model's forward; ``past_key_values`` is
+    deprecated until 5.40, translated to ``cache`` by a decorator on the forward, so a
+    forward hook sees whichever name the caller used and ``generate`` passes ``cache``)."""
+    past = a.get("past_key_values")
+    return a.get("cache") if past is None else past
+
+
 def _ids_pre_hook(module, args, kwargs):
     a = _forward_args(module, args, kwargs)
-    past = a.get("past_key_values")
+    past = _cache_arg(a)
     if isinstance(past, ShmkvCache):
         past._seen = (a.get("input_ids"), a.get("attention_mask"), a.get("position_ids"),
                       a.get("cache_position"), a.get("inputs_embeds"))
@@ -89,7 +99,7 @@ def _ids_pre_hook(module, args, kwargs):
 
 
 def _ids_post_hook(module, args, kwargs, output):
-    past = _forward_args(module, args, kwargs).get("past_key_values")
+    past = _cache_arg(_forward_args(module, args, kwargs))
     if isinstance(past, ShmkvCache):
         past._seen = None
     return None
@@ -120,7 +130,8 @@ def _hook(decoder: torch.nn.Module) -> None:
 
 def _running_decoder(cache: "ShmkvCache") -> Optional[Tuple[torch.nn.Module, Dict[str, Any]]]:
     """The model (a ``PreTrainedModel``) whose forward called ``update`` with ``cache`` as
-    its ``past_key_values`` (the innermost such frame within a few of the caller's), with
+    its ``past_key_values`` (``cache`` from transformers 5.24; the innermost such frame
+    within a few of the caller's), with
     that frame's locals."""
     from transformers import PreTrainedModel
 
@@ -132,7 +143,8 @@ def _running_decoder(cache: "ShmkvCache") -> Optional[Tuple[torch.nn.Module, Dic
         if f is None:
             return None
         loc = f.f_locals
-        if loc.get("past_key_values") is cache and isinstance(loc.get("self"), PreTrainedModel):
+        if ((loc.get("past_key_values") is cache or loc.get("cache") is cache)
+                and isinstance(loc.get("self"), PreTrainedModel)):
             return loc["self"], loc
         f = f.f_back
     return None
@@ -241,6 +253,8 @@ class ShmkvCache(Cache):
         Without it the cache binds the model on its first forward by itself (that forward's
         ids are then known only through ``prompt_ids``).
 
+    Notes
+    -----
     The cache holds its sequences until :meth:`close` (or the ``with`` block, or the
     object being dropped) frees them, or :meth:`release` hands their ids back unfreed.
     Pool exhaustion during ``generate`` raises ``shmkv.CacheFullError`` after freeing

@@ -462,10 +462,10 @@ class ShmkvConnector(KVConnectorBase_V1):
         assert self._kv is not None
         try:
             got = self._kv.recover()
-            if got.get("sequences") or got.get("blocks"):
-                log.info("shmkv: reclaimed %d sequences and %d blocks of dead processes "
-                         "from segment %r", got.get("sequences", 0), got.get("blocks", 0),
-                         self._kv.name)
+            if got.get("processes") or got.get("sequences") or got.get("blocks"):
+                log.info("shmkv: reclaimed %d dead processes, their %d sequences and %d "
+                         "blocks, from segment %r", got.get("processes", 0),
+                         got.get("sequences", 0), got.get("blocks", 0), self._kv.name)
             self._iv.set_gauges(segment_gauges(self._kv.stats()))
         except Exception as e:              # housekeeping never fails a step
             log.debug("shmkv: housekeeping failed (%s: %s)", type(e).__name__, e)

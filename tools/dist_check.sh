@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# make dist-check: the artifacts a user or a packager gets, checked as they would use them.
+#   1. python -m build: the sdist, then the wheel built *from that sdist* (so a file the
+#      sdist lacks fails the build here, not on a mirror);
+#   2. twine check --strict on both; LICENSE, README, CHANGELOG and every .pyx/.pxd/.pyi/.h
+#      of the checkout in the sdist;
+#   3. auditwheel show: the platform policy the wheel meets (a plain `pip wheel` on this
+#      machine is linux_x86_64; a manylinux wheel for an index comes from cibuildwheel,
+#      configured in pyproject.toml);
+#   4. each artifact installed into a fresh venv from /tmp (outside the checkout) and
+#      tools/dist_smoke.py run with it.
+# Work and results in .dist-check/ (the wheel and sdist in .dist-check/dist).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+OUT=$ROOT/.dist-check
+rm -rf "$OUT" && mkdir -p "$OUT"
+
+step() { echo "== dist-check: $*"; }
+
+step "tools venv (build, twine, auditwheel)"
+"$PYTHON" -m venv "$OUT/tools"
+T=$OUT/tools/bin
+"$T/python" -m pip --disable-pip-version-check install -q -U pip
+"$T/python" -m pip --disable-pip-version-check install -q "build>=1.2" "twine>=6.1" "auditwheel>=6.1"
+
+step "python -m build (sdist, then the wheel from the sdist)"
+# build from a clean copy of the tracked files: a stale build/ or generated C in the
+# checkout must not reach the artifacts
+git ls-files -z | (mkdir -p "$OUT/src" && xargs -0 cp --parents -t "$OUT/src")
+(cd "$OUT/src" && "$T/python" -m build --outdir "$OUT/dist" . >"$OUT/build.log" 2>&1) \
+    || { tail -40 "$OUT/build.log"; exit 1; }
+SDIST=$(ls "$OUT"/dist/shmkv-*.tar.gz)
+WHEEL=$(ls "$OUT"/dist/shmkv-*.whl)
+ls -l "$OUT/dist"
+
+step "twine check --strict"
+"$T/twine" check --strict "$SDIST" "$WHEEL"
+
+step "the sdist carries what a build needs"
+tar tzf "$SDIST" | sed 's|^[^/]*/||' | sort >"$OUT/sdist.txt"
+missing=0
+for f in LICENSE README.md CHANGELOG.md setup.py pyproject.toml MANIFEST.in \
+         $(git ls-files 'shmkv/*.pyx' 'shmkv/*.pxd' 'shmkv/*.pyi' 'shmkv/*.h' 'shmkv/py.typed' \
+                        'shmkv/kernels/*' 'shmkv/*.py' 'shmkv/**/*.py'); do
+    grep -qxF "$f" "$OUT/sdist.txt" || { echo "missing from the sdist: $f"; missing=1; }
+done
+[ $missing = 0 ]
+echo "sdist: $(wc -l <"$OUT/sdist.txt") files, every source, header, stub and LICENSE in it"
+"$T/python" - "$WHEEL" <<'EOF'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+lic = [n for n in names if n.endswith("/LICENSE")]
+assert lic, "LICENSE is not in the wheel"
+print("wheel: LICENSE at", lic[0])
+EOF
+
+step "auditwheel show"
+"$T/auditwheel" show "$WHEEL" | tee "$OUT/auditwheel.txt"
+
+for kind in wheel sdist; do
+    art=$([ $kind = wheel ] && echo "$WHEEL" || echo "$SDIST")
+    step "fresh venv from the $kind, installed and run from /tmp"
+    "$PYTHON" -m venv "$OUT/venv-$kind"
+    (cd /tmp && "$OUT/venv-$kind/bin/python" -m pip --disable-pip-version-check install -q "$art" \
+        >"$OUT/install-$kind.log" 2>&1) || { tail -40 "$OUT/install-$kind.log"; exit 1; }
+    (cd /tmp && "$OUT/venv-$kind/bin/python" "$ROOT/tools/dist_smoke.py")
+    (cd /tmp && "$OUT/venv-$kind/bin/shmkv" --version)
+done
+step "ok: $(du -k "$WHEEL" | cut -f1) KiB wheel, $(du -k "$SDIST" | cut -f1) KiB sdist"
