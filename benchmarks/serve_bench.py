@@ -839,6 +839,7 @@ def kill_test(insts, segment, model, tmp, args, bench, texts, wl, notes, tag) ->
         mapped = shm_files(pids) - victim.proc.keep_shm
         tk = time.time()
         os.killpg(victim.proc.popen.pid, signal.SIGKILL)
+        res["killed_at_s_into_load"] = round(tk - t_load, 1)
         th.join(timeout=600)
         res["load_during_kill"] = {k: holder["res"].get(k) for k in ("completed", "failed")} \
             if "res" in holder else holder.get("err")
@@ -1150,7 +1151,7 @@ def kill_section(k: dict) -> list[str]:
         f"computed {len(hits)} prompts of {k.get('victim_prompt_tokens')} tokens (cold, "
         f"{k.get('victim_cold_s', float('nan')):.2f} s each on average) and published them; "
         "then the no-reuse load ran through the router and instance 1's process group got "
-        f"SIGKILL {k.get('killed_at_s_into_load')} s into it.",
+        f"SIGKILL {k.get('killed_at_s_into_load')} s after that load was started.",
         f"- requests of that load: {k.get('load_during_kill')} (those in flight on the killed "
         "instance fail: the router does not retry a request whose stream broke; the rest "
         "went to the survivor)",
