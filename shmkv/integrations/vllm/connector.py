@@ -332,8 +332,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             log.warning("shmkv: vLLM's KV layout for ISA %r is not one this connector "
                         "understands: saving and loading are off (no wrong bytes stored)", isa)
         else:
-            log.info("shmkv: ISA %r, K %s per block and head", isa,
-                     "transposed" if lay.k_transposed else "row-major")
+            log.info("shmkv: ISA %r, layout %s", isa, lay.name)
         return lay
 
     def _pieces(self, block_ids: list[int], t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
