@@ -45,7 +45,7 @@ import shmkv
 from shmkv.integrations.torch_views import pool_tensors
 
 from .layout import CpuLayout, probe_layout
-from .segment import open_segment, segment_spec
+from .segment import check_fp8_scales, open_segment, segment_spec, vllm_kv_scales
 from .tier import TierLookups, tier_spec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -310,10 +310,13 @@ class ShmkvConnector(KVConnectorBase_V1):
                             "off", n, tuple(t.shape), t.is_contiguous(), *want)
                 self._save_on = self._load_on = False
                 return
-        self._layout = self._self_test(t0.dtype)
+        # the model's dtype, as vLLM's backend picks its ISA (t0 is uint8 for an fp8 cache)
+        self._layout = self._self_test(self._vllm_config.model_config.dtype)
         if self._layout is None:
             self._save_on = self._load_on = False
             return
+        # fp8: the codes mean code * scale with this instance's scales (segment.py)
+        check_fp8_scales(self._kv, *vllm_kv_scales(self._vllm_config, names))
         self._layers = [(kv_caches[n], *pool_tensors(self._kv, i)) for i, n in enumerate(names)]
 
     def _self_test(self, dtype: torch.dtype) -> Optional[CpuLayout]:
@@ -324,7 +327,8 @@ class ShmkvConnector(KVConnectorBase_V1):
 
             isa = _get_attn_isa(dtype, self._vb, cfg.head_dim,
                                 self._vllm_config.cache_config.cache_dtype)
-            lay = probe_layout(isa, dtype, cfg.num_kv_heads, cfg.head_dim, self._vb, self._bs)
+            lay = probe_layout(isa, dtype, cfg.num_kv_heads, cfg.head_dim, self._vb, self._bs,
+                               str(self._vllm_config.cache_config.cache_dtype))
         except Exception as e:
             log.warning("shmkv: the layout self-test raised %s: %s", type(e).__name__, e)
             lay = None
