@@ -59,9 +59,12 @@ cdef enum:
 
 cdef void _copy(elem_t* t, elem_t* kp, elem_t* vp, Py_ssize_t H, Py_ssize_t D,
                 Py_ssize_t VB, Py_ssize_t bs, const int64_t* sblk, const int64_t* vblk,
-                const int64_t* sub, Py_ssize_t m, bint k_t, bint to_vllm) noexcept nogil:
+                const int64_t* sub, Py_ssize_t m, bint k_t, bint to_vllm,
+                Py_ssize_t PH) noexcept nogil:
+    # PH: the pools' heads per token (>= H: a tensor-parallel rank's H heads are a slice;
+    # kp/vp then point at the slice's first head)
     cdef Py_ssize_t i, h, j, d, j0, d0, j1, d1
-    cdef Py_ssize_t HD = H * D
+    cdef Py_ssize_t HD = PH * D
     cdef size_t row = D * sizeof(elem_t)
     cdef elem_t* tile
     cdef elem_t* kv_k
@@ -113,9 +116,9 @@ cdef void _copy(elem_t* t, elem_t* kp, elem_t* vp, Py_ssize_t H, Py_ssize_t D,
 cdef void _copy_amx(char* t, char* kp, char* vp, Py_ssize_t H, Py_ssize_t D, Py_ssize_t VB,
                     Py_ssize_t bs, const int64_t* sblk, const int64_t* vblk,
                     const int64_t* sub, Py_ssize_t m, int isz, int pack,
-                    bint to_vllm) noexcept nogil:
+                    bint to_vllm, Py_ssize_t PH) noexcept nogil:
     cdef Py_ssize_t i, h
-    cdef Py_ssize_t rs = H * D * isz                    # bytes between a pool's tokens
+    cdef Py_ssize_t rs = PH * D * isz                   # bytes between a pool's tokens
     cdef char* row_k
     cdef char* row_v
     for i in range(m):
@@ -131,14 +134,17 @@ def copy_blocks(uintptr_t t_ptr, Py_ssize_t t_blocks, uintptr_t k_ptr, uintptr_t
                 Py_ssize_t pool_blocks, Py_ssize_t heads, Py_ssize_t head_dim,
                 Py_ssize_t vllm_block_size, Py_ssize_t block_size, Py_ssize_t itemsize,
                 const int64_t[::1] shm_ids, const int64_t[::1] vllm_ids,
-                const int64_t[::1] sub, bint k_transposed, bint to_vllm, int amx_pack=0):
+                const int64_t[::1] sub, bint k_transposed, bint to_vllm, int amx_pack=0,
+                Py_ssize_t pool_heads=0, Py_ssize_t head0=0):
     """Copy the shmkv blocks ``shm_ids[i]`` <-> the pieces ``(vllm_ids[i], sub[i])`` (sub-block
     ``sub[i]`` of ``block_size`` tokens inside vLLM block ``vllm_ids[i]``) of one layer:
     ``to_vllm`` loads (pools -> vLLM tensor), else saves.  The addresses must be those of
     C-contiguous arrays of the given shapes and ``itemsize`` (1, 2 or 4) bytes per element.
     ``amx_pack`` > 0: vLLM's AMX layout with that many elements per packed unit (2 for
     16-bit and fp8 caches, 1 for float32; ``k_transposed`` is then ignored), which needs
-    ``block_size`` and ``head_dim`` multiples of 16 and ``amx_pack * itemsize`` <= 4."""
+    ``block_size`` and ``head_dim`` multiples of 16 and ``amx_pack * itemsize`` <= 4.
+    ``pool_heads`` > ``heads``: the pools hold ``pool_heads`` KV heads per token and vLLM's
+    tensor the ``heads`` of them from ``head0`` on (a tensor-parallel rank's slice)."""
     cdef Py_ssize_t m = shm_ids.shape[0], i, r
     cdef const int64_t* ps
     cdef const int64_t* pv
@@ -159,6 +165,12 @@ def copy_blocks(uintptr_t t_ptr, Py_ssize_t t_blocks, uintptr_t k_ptr, uintptr_t
             or heads <= 0 or head_dim <= 0 or t_blocks < 0 or pool_blocks < 0):
         raise ValueError(f"shmkv: bad shapes (heads={heads}, head_dim={head_dim}, vLLM block "
                          f"size {vllm_block_size}, shmkv block size {block_size})")
+    if pool_heads == 0:
+        pool_heads = heads
+    if head0 < 0 or head0 + heads > pool_heads:
+        raise ValueError(f"shmkv: heads {head0}..{head0 + heads - 1} are not a slice of the "
+                         f"pools' {pool_heads} KV heads (expected 0 <= head0 and head0 + heads "
+                         f"<= pool_heads)")
     if m and (not t_ptr or not k_ptr or not v_ptr):
         raise ValueError("shmkv: a NULL address")
     r = vllm_block_size // block_size
@@ -175,21 +187,23 @@ def copy_blocks(uintptr_t t_ptr, Py_ssize_t t_blocks, uintptr_t k_ptr, uintptr_t
     if m == 0:
         return
     ps, pv, pr = &shm_ids[0], &vllm_ids[0], &sub[0]
+    k_ptr += head0 * head_dim * itemsize            # the slice's first head
+    v_ptr += head0 * head_dim * itemsize
     with nogil:
         if amx_pack:
             _copy_amx(<char*>t_ptr, <char*>k_ptr, <char*>v_ptr, heads, head_dim,
                       vllm_block_size, block_size, ps, pv, pr, m, <int>itemsize, amx_pack,
-                      to_vllm)
+                      to_vllm, pool_heads)
         elif itemsize == 1:
             _copy[uint8_t](<uint8_t*>t_ptr, <uint8_t*>k_ptr, <uint8_t*>v_ptr, heads,
                            head_dim, vllm_block_size, block_size, ps, pv, pr, m,
-                           k_transposed, to_vllm)
+                           k_transposed, to_vllm, pool_heads)
         elif itemsize == 2:
             _copy[uint16_t](<uint16_t*>t_ptr, <uint16_t*>k_ptr, <uint16_t*>v_ptr, heads,
                             head_dim, vllm_block_size, block_size, ps, pv, pr, m,
-                            k_transposed, to_vllm)
+                            k_transposed, to_vllm, pool_heads)
         else:
             _copy[uint32_t](<uint32_t*>t_ptr, <uint32_t*>k_ptr, <uint32_t*>v_ptr, heads,
                             head_dim, vllm_block_size, block_size, ps, pv, pr, m,
-                            k_transposed, to_vllm)
+                            k_transposed, to_vllm, pool_heads)
         shmkv_vfence()

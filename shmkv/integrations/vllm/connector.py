@@ -47,6 +47,7 @@ from shmkv.integrations.torch_views import pool_tensors
 from .layout import CpuLayout, probe_layout
 from .segment import check_fp8_scales, open_segment, segment_spec, vllm_kv_scales
 from .tier import TierLookups, tier_spec
+from .tp import rank_heads, tp_load, tp_rank, tp_save
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -167,6 +168,8 @@ class ShmkvConnector(KVConnectorBase_V1):
         # worker side
         self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._layout: Optional[CpuLayout] = None
+        # tensor parallel: this worker's rank; it copies its slice of the heads (tp.py)
+        self._tp = tp_rank(vllm_config, role == KVConnectorRole.WORKER)
         self._load_errors: set[int] = set()
         self._short_reqs: set[str] = set()       # requests whose load fell short this step
         self.stats: dict[str, float] = {
@@ -299,7 +302,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             raise shmkv.SegmentError(
                 f"shmkv: the model has {len(names)} attention layers here, the segment "
                 f"{self._kv.name!r} has num_layers={cfg.num_layers}")
-        h, d, vb = cfg.num_kv_heads, cfg.head_dim, self._vb
+        h, d, vb = rank_heads(cfg.num_kv_heads, self._tp), cfg.head_dim, self._vb
         t0 = kv_caches[names[0]]
         want = (h, vb, 2 * d)
         for n in names:
@@ -369,6 +372,8 @@ class ShmkvConnector(KVConnectorBase_V1):
             pass
 
     def _load(self, op: LoadOp) -> None:
+        if self._tp is not None:
+            return tp_load(self, op)
         kv, vb = self._kv, self._vb
         good = op.start
         sid = None
@@ -432,6 +437,8 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._dump_stats()
 
     def _save(self, op: SaveOp) -> None:
+        if self._tp is not None:
+            return tp_save(self, op)
         kv, bs = self._kv, self._bs
         assert self._layout is not None
         end = len(op.tokens)

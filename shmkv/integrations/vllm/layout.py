@@ -106,11 +106,18 @@ class CpuLayout:
         v5[vblk, :, sub] = v.permute(0, 2, 1, 3)
 
     def copy(self, t: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, bs: int,
-             shm: torch.Tensor, vblk: torch.Tensor, sub: torch.Tensor, to_vllm: bool) -> None:
+             shm: torch.Tensor, vblk: torch.Tensor, sub: torch.Tensor, to_vllm: bool,
+             head0: int = 0) -> None:
         """Copy shmkv blocks ``shm[i]`` of the pools ``kp``, ``vp`` ``[NBs, bs, H, D]`` to
         (``to_vllm``, a load) or from (a save) the pieces ``(vblk[i], sub[i])`` of ``t``;
-        in C when the tensors allow it, else through :meth:`read` / :meth:`write`."""
+        in C when the tensors allow it, else through :meth:`read` / :meth:`write`.
+        Pools with more KV heads than ``t`` (a tensor-parallel rank's slice): ``t``'s heads
+        are the pools' ``head0 ..``."""
         nb, h, vb, d2 = t.shape
+        ph = kp.shape[2] if kp.dim() == 4 else h
+        if not (0 <= head0 and head0 + h <= ph):
+            raise ValueError(f"shmkv: heads {head0}..{head0 + h - 1} are not a slice of the "
+                             f"pools' {ph} KV heads")
         if t.dtype == torch.uint8 and kp.element_size() == 1:
             kp, vp = kp.view(torch.uint8), vp.view(torch.uint8)   # fp8: codes as they are
         if (_c_ok(t, kp, vp, bs) and self.fits(d2 // 2, vb, bs)
@@ -119,8 +126,11 @@ class CpuLayout:
             ids = [x.to(torch.int64).contiguous().numpy() for x in (shm, vblk, sub)]
             copy_blocks(t.data_ptr(), nb, kp.data_ptr(), vp.data_ptr(), kp.shape[0], h,
                         d2 // 2, vb, bs, t.element_size(), *ids, self.k_transposed, to_vllm,
-                        self.amx_pack)
-        elif to_vllm:
+                        self.amx_pack, ph, head0)
+            return
+        if ph != h:
+            kp, vp = kp[:, :, head0:head0 + h], vp[:, :, head0:head0 + h]
+        if to_vllm:
             self.write(t, bs, vblk, sub, kp.index_select(0, shm), vp.index_select(0, shm))
         else:
             k, v = self.read(t, bs, vblk, sub)
@@ -138,7 +148,7 @@ def _c_ok(t: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, bs: int) -> bool:
     return (all(x.device.type == "cpu" and x.is_contiguous() and x.dtype == t.dtype
                 for x in (t, kp, vp))
             and t.element_size() in (1, 2, 4) and d2 % 2 == 0 and bs > 0 and vb % bs == 0
-            and tuple(kp.shape[1:]) == (bs, h, d2 // 2))
+            and kp.shape[1] == bs and kp.shape[2] >= h and kp.shape[3] == d2 // 2)
 
 
 LAYOUTS: Sequence[CpuLayout] = (CpuLayout(k_transposed=True), CpuLayout(k_transposed=False),
