@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import shmkv
 from shmkv.integrations.torch_views import pool_tensors
 
+from .hybrid import check_groups
 from .layout import CpuLayout, probe_layout
 from .segment import check_fp8_scales, open_segment, segment_spec, vllm_kv_scales
 from .tier import TierLookups, tier_spec
@@ -144,6 +145,7 @@ class ShmkvConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_groups(kv_cache_config)       # one group of attention layers (hybrid.py)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._vb = int(vllm_config.cache_config.block_size)
         self._spec = segment_spec(vllm_config, extra)
