@@ -52,6 +52,21 @@ static inline void shmkv_amx_tw(const char *src, ptrdiff_t ss, char *dst, ptrdif
  * dims at row + t * rs.  Portable: element by element. */
 static inline void shmkv_amx_v_c(char *g, char *row, ptrdiff_t rs, ptrdiff_t bs, int isz,
                                  int pack, int to_vllm) {
+    if (pack == 2 && (isz == 1 || isz == 2)) {      /* typed pairs: loops compilers vectorize */
+        for (ptrdiff_t q = 0; q < bs / 2; q++) {
+            char *a = row + 2 * q * rs, *b = a + rs;
+            if (isz == 2) {
+                uint16_t *pa = (uint16_t *)a, *pb = (uint16_t *)b, *o = (uint16_t *)(g + q * 64);
+                if (to_vllm) for (int j = 0; j < 16; j++) { o[2 * j] = pa[j]; o[2 * j + 1] = pb[j]; }
+                else for (int j = 0; j < 16; j++) { pa[j] = o[2 * j]; pb[j] = o[2 * j + 1]; }
+            } else {
+                uint8_t *pa = (uint8_t *)a, *pb = (uint8_t *)b, *o = (uint8_t *)(g + q * 32);
+                if (to_vllm) for (int j = 0; j < 16; j++) { o[2 * j] = pa[j]; o[2 * j + 1] = pb[j]; }
+                else for (int j = 0; j < 16; j++) { pa[j] = o[2 * j]; pb[j] = o[2 * j + 1]; }
+            }
+        }
+        return;
+    }
     for (ptrdiff_t t = 0; t < bs; t++) {
         char *gt = g + ((t / pack) * 16 * pack + t % pack) * isz;
         char *rt = row + t * rs;
