@@ -25,6 +25,8 @@ cdef extern from "kernels/vtranspose.h" nogil:
     void shmkv_vrows(void *dst, Py_ssize_t ds, const void *src, Py_ssize_t ss,
                      Py_ssize_t rows, size_t n)
     void shmkv_vfence()
+    void shmkv_vt16_via32(uint16_t *rows, Py_ssize_t rs, uint16_t *kt, Py_ssize_t ks,
+                          Py_ssize_t n, Py_ssize_t D, int to_kt)
 
 
 cdef extern from "kernels/vamx.h" nogil:
@@ -94,6 +96,9 @@ cdef void _copy(elem_t* t, elem_t* kp, elem_t* vp, Py_ssize_t H, Py_ssize_t D,
                     shmkv_vt32(sk + h * D, HD, kv_k, VB, bs, D)
                 else:
                     shmkv_vt32(kv_k, VB, sk + h * D, HD, D, bs)
+            elif elem_t is uint16_t:
+                # token pairs are 32-bit words of K^T: through shmkv_vt32 (issue 33)
+                shmkv_vt16_via32(sk + h * D, HD, kv_k, VB, bs, D, to_vllm)
             else:
                 d0 = 0
                 while d0 < D:

@@ -171,6 +171,46 @@ static inline void shmkv_vt32(const uint32_t *src, ptrdiff_t ss, uint32_t *dst, 
     shmkv_vt32_c(src, ss, dst, ds, rows, cols);
 }
 
+/* 16-bit K transpose through 32-bit units (bfloat16/float16 K of the vec layout):
+ * n tokens, rows of D elements at rows + j * rs  <->  K^T rows d at kt + d * ks (element j).
+ * Two tokens' d-th elements are one 32-bit word of K^T (the even token in the low half,
+ * little-endian), so 16 token pairs at a time are interleaved into a stack tile of words
+ * [16][D] and moved by shmkv_vt32 (register tiles, streamed stores); an odd last token
+ * and D > 256 go element by element.  kt and ks must keep words 4-byte aligned (kt at an
+ * even token of an aligned tile, ks even).  to_kt: rows -> K^T (a load), else back. */
+static inline void shmkv_vt16_via32(uint16_t *rows, ptrdiff_t rs, uint16_t *kt, ptrdiff_t ks,
+                                    ptrdiff_t n, ptrdiff_t D, int to_kt) {
+    uint32_t w[16 * 256];
+    ptrdiff_t j0 = 0;
+    if (D <= 256 && ks % 2 == 0 && ((uintptr_t)kt & 3) == 0) {
+        for (; j0 + 2 <= n; ) {
+            ptrdiff_t np = (n - j0) / 2;
+            if (np > 16) np = 16;
+            if (to_kt) {
+                for (ptrdiff_t q = 0; q < np; q++) {
+                    const uint16_t *a = rows + (j0 + 2 * q) * rs, *b = a + rs;
+                    uint32_t *o = w + q * D;
+                    for (ptrdiff_t d = 0; d < D; d++) o[d] = (uint32_t)a[d] | ((uint32_t)b[d] << 16);
+                }
+                shmkv_vt32(w, D, (uint32_t *)(kt + j0), ks / 2, np, D);
+            } else {
+                shmkv_vt32((const uint32_t *)(kt + j0), ks / 2, w, D, D, np);
+                for (ptrdiff_t q = 0; q < np; q++) {
+                    uint16_t *a = rows + (j0 + 2 * q) * rs, *b = a + rs;
+                    const uint32_t *o = w + q * D;
+                    for (ptrdiff_t d = 0; d < D; d++) { a[d] = (uint16_t)o[d]; b[d] = (uint16_t)(o[d] >> 16); }
+                }
+            }
+            j0 += 2 * np;
+        }
+    }
+    for (ptrdiff_t j = j0; j < n; j++)              /* what is left: element by element */
+        for (ptrdiff_t d = 0; d < D; d++) {
+            if (to_kt) kt[d * ks + j] = rows[j * rs + d];
+            else rows[j * rs + d] = kt[d * ks + j];
+        }
+}
+
 /* rows rows of n bytes: dst + r * ds <- src + r * ss (byte strides). */
 static inline void shmkv_vrows(void *dst, ptrdiff_t ds, const void *src, ptrdiff_t ss,
                                ptrdiff_t rows, size_t n) {
