@@ -151,7 +151,9 @@ static inline void shmkv_vt32(const uint32_t *src, ptrdiff_t ss, uint32_t *dst, 
                               ptrdiff_t rows, ptrdiff_t cols) {
 #if SHMKV_X86
     const int isa = shmkv_vt_isa();
-    const ptrdiff_t n = isa == 2 ? 16 : isa == 1 ? 8 : 0;
+    /* 16x16 tiles where the matrix has 16 rows and columns, else 8x8 (AVX-512 CPUs have
+     * AVX2): a 16-token shmkv block of 16-bit K is 8 rows of token pairs */
+    const ptrdiff_t n = isa == 2 && rows >= 16 && cols >= 16 ? 16 : isa >= 1 ? 8 : 0;
     if (n) {
         const ptrdiff_t R = rows - rows % n, C = cols - cols % n;
         /* streamed when every tile row starts on an aligned line (a tile row is n floats) */
@@ -171,6 +173,39 @@ static inline void shmkv_vt32(const uint32_t *src, ptrdiff_t ss, uint32_t *dst, 
     shmkv_vt32_c(src, ss, dst, ds, rows, cols);
 }
 
+/* w[d] = a[d] | b[d] << 16 (to_w), or back, for d < D: a token pair's 32-bit words. */
+static inline void shmkv_pair16_c(uint16_t *a, uint16_t *b, uint32_t *w, ptrdiff_t D,
+                                  int to_w) {
+    if (to_w) for (ptrdiff_t d = 0; d < D; d++) w[d] = (uint32_t)a[d] | ((uint32_t)b[d] << 16);
+    else for (ptrdiff_t d = 0; d < D; d++) { a[d] = (uint16_t)w[d]; b[d] = (uint16_t)(w[d] >> 16); }
+}
+
+#if SHMKV_X86
+__attribute__((target("avx512f"))) static inline void
+shmkv_pair16_avx512(uint16_t *a, uint16_t *b, uint32_t *w, ptrdiff_t D, int to_w) {
+    ptrdiff_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        if (to_w) {
+            __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d)));
+            __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d)));
+            _mm512_storeu_si512(w + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        } else {
+            __m512i x = _mm512_loadu_si512(w + d);
+            _mm256_storeu_si256((__m256i *)(a + d), _mm512_cvtepi32_epi16(x));
+            _mm256_storeu_si256((__m256i *)(b + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+        }
+    }
+    if (d < D) shmkv_pair16_c(a + d, b + d, w + d, D - d, to_w);
+}
+#endif
+
+static inline void shmkv_pair16(uint16_t *a, uint16_t *b, uint32_t *w, ptrdiff_t D, int to_w) {
+#if SHMKV_X86
+    if (shmkv_vt_isa() == 2) { shmkv_pair16_avx512(a, b, w, D, to_w); return; }
+#endif
+    shmkv_pair16_c(a, b, w, D, to_w);
+}
+
 /* 16-bit K transpose through 32-bit units (bfloat16/float16 K of the vec layout):
  * n tokens, rows of D elements at rows + j * rs  <->  K^T rows d at kt + d * ks (element j).
  * Two tokens' d-th elements are one 32-bit word of K^T (the even token in the low half,
@@ -187,19 +222,15 @@ static inline void shmkv_vt16_via32(uint16_t *rows, ptrdiff_t rs, uint16_t *kt, 
             ptrdiff_t np = (n - j0) / 2;
             if (np > 16) np = 16;
             if (to_kt) {
-                for (ptrdiff_t q = 0; q < np; q++) {
-                    const uint16_t *a = rows + (j0 + 2 * q) * rs, *b = a + rs;
-                    uint32_t *o = w + q * D;
-                    for (ptrdiff_t d = 0; d < D; d++) o[d] = (uint32_t)a[d] | ((uint32_t)b[d] << 16);
-                }
+                for (ptrdiff_t q = 0; q < np; q++)
+                    shmkv_pair16(rows + (j0 + 2 * q) * rs, rows + (j0 + 2 * q + 1) * rs,
+                                 w + q * D, D, 1);
                 shmkv_vt32(w, D, (uint32_t *)(kt + j0), ks / 2, np, D);
             } else {
                 shmkv_vt32((const uint32_t *)(kt + j0), ks / 2, w, D, D, np);
-                for (ptrdiff_t q = 0; q < np; q++) {
-                    uint16_t *a = rows + (j0 + 2 * q) * rs, *b = a + rs;
-                    const uint32_t *o = w + q * D;
-                    for (ptrdiff_t d = 0; d < D; d++) { a[d] = (uint16_t)o[d]; b[d] = (uint16_t)(o[d] >> 16); }
-                }
+                for (ptrdiff_t q = 0; q < np; q++)
+                    shmkv_pair16(rows + (j0 + 2 * q) * rs, rows + (j0 + 2 * q + 1) * rs,
+                                 w + q * D, D, 0);
             }
             j0 += 2 * np;
         }
