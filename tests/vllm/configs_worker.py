@@ -5,7 +5,6 @@ each request, a JSON result (token ids, num_cached_tokens, the worker connectors
 per rank: SHMKV_VLLM_STATS).  Run as ``python configs_worker.py JOB.json OUT.json``."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys

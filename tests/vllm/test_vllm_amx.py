@@ -275,7 +275,7 @@ def _amx_attention_check(t, blocks, k, v, n):
     if not AMX_HOST:
         msg = ("vLLM's AMX attention kernel not run: this CPU has no AMX tiles (the AMX "
                "layout, vLLM's AMX reshape op and the connector's copies were checked)")
-        warnings.warn(msg)
+        warnings.warn(msg, stacklevel=2)
         print("\n" + msg)
         return
     from vllm import _custom_ops as ops

@@ -305,7 +305,6 @@ class ShmkvConnector(KVConnectorBase_V1):
                 f"shmkv: the model has {len(names)} attention layers here, the segment "
                 f"{self._kv.name!r} has num_layers={cfg.num_layers}")
         h, d, vb = rank_heads(cfg.num_kv_heads, self._tp), cfg.head_dim, self._vb
-        t0 = kv_caches[names[0]]
         want = (h, vb, 2 * d)
         for n in names:
             t = kv_caches[n]
