@@ -570,8 +570,12 @@ class ShmkvConnector(KVConnectorBase_V1):
             pass
 
     def _load(self, op: LoadOp) -> None:
-        if self._tp is not None:
-            return tp_load(self, op)
+        if self._tp is not None:            # this rank's slice of the heads (tp.py)
+            before = self.stats["loaded_tokens"]
+            tp_load(self, op)
+            good = op.start + int(self.stats["loaded_tokens"] - before)
+            self._account_load(op, good)
+            return
         kv, vb = self._kv, self._vb
         assert kv is not None
         good = op.start
@@ -601,16 +605,22 @@ class ShmkvConnector(KVConnectorBase_V1):
                 except Exception:
                     pass
         self.stats["loaded_tokens"] += good - op.start
-        self._iv.count("loaded_tokens", good - op.start)
-        self._iv.count("loaded_blocks", (good - op.start) // self._bs)
-        if op.hashes is not None and good // vb > op.start // vb:
-            self._announce(op.hashes, op.tokens, op.start // vb, good // vb, op.lora_name)
+        self._account_load(op, good)
         if good < op.end:
             failed = op.block_ids[(good - op.start) // vb:]
             self._load_errors.update(failed)
             self._short_reqs.add(op.req_id)
             self.stats["load_shortfall_tokens"] += op.end - good
             self.stats["load_errors"] += 1
+
+    def _account_load(self, op: LoadOp, good: int) -> None:
+        """This interval's figures and events for a load that delivered [start, good)."""
+        vb = self._vb
+        self._iv.count("loaded_tokens", good - op.start)
+        self._iv.count("loaded_blocks", (good - op.start) // self._bs)
+        if op.hashes is not None and good // vb > op.start // vb:
+            self._announce(op.hashes, op.tokens, op.start // vb, good // vb, op.lora_name)
+        if good < op.end:
             self._iv.count("load_failures")
             self._iv.count("load_failed_tokens", op.end - good)
 
@@ -664,8 +674,15 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._dump_stats()
 
     def _save(self, op: SaveOp) -> None:
-        if self._tp is not None:
-            return tp_save(self, op)
+        if self._tp is not None:            # this rank's slice of the heads (tp.py)
+            saved, errors = self.stats["saved_tokens"], self.stats["save_errors"]
+            tp_save(self, op)
+            if self.stats["save_errors"] > errors:
+                self._iv.count("save_errors", self.stats["save_errors"] - errors)
+            n = int(self.stats["saved_tokens"] - saved)
+            if n > 0:
+                self._account_save(op, len(op.tokens) - n, len(op.tokens))
+            return
         kv, bs = self._kv, self._bs
         assert self._layout is not None and kv is not None
         end = len(op.tokens)
@@ -688,11 +705,7 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._layout.copy(t, kp, vp, bs, dst, vblk, sub, to_vllm=False)
             kv.commit(sid)                      # every byte written: now findable
             self.stats["saved_tokens"] += end - have
-            self._iv.count("saved_tokens", end - have)
-            self._iv.count("saved_blocks", (end - have) // bs)
-            if op.hashes is not None:
-                self._announce(op.hashes, op.tokens, have // self._vb, end // self._vb,
-                               op.lora_name)
+            self._account_save(op, have, end)
         except Exception as e:                  # full pool, foreign segment...: a miss later
             self.stats["save_errors"] += 1
             self._iv.count("save_errors")
@@ -703,6 +716,14 @@ class ShmkvConnector(KVConnectorBase_V1):
                     kv.free(sid)                # committed blocks stay cached
                 except Exception:
                     pass
+
+    def _account_save(self, op: SaveOp, have: int, end: int) -> None:
+        """This interval's figures and events for a save that published [have, end)."""
+        self._iv.count("saved_tokens", end - have)
+        self._iv.count("saved_blocks", (end - have) // self._bs)
+        if op.hashes is not None:
+            self._announce(op.hashes, op.tokens, have // self._vb, end // self._vb,
+                           op.lora_name)
 
     def shutdown(self) -> None:
         if self._lookups is not None:
