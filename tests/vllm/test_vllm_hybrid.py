@@ -80,8 +80,21 @@ def test_hybrid_model_shares_as_one_group_and_outputs_equal(hybrid_runs):
     assert B[0]["num_cached_tokens"] == hit
     assert B[0]["connector"]["loaded_tokens"] == hit
     assert B[1]["num_cached_tokens"] == 0
-    assert B[0]["token_ids"] == B[1]["token_ids"] == A[0]["token_ids"]
-    assert len(set(A[0]["token_ids"])) > 3          # the model's answer is not one token
+    assert B[0]["token_ids"] == B[1]["token_ids"]   # a hit does not change the output
+    # and all of them against transformers' own greedy answer (independent of vLLM):
+    # tells a wrong load (B) apart from a wrong computation without one (A)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hybrid_runs["path"], dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([hybrid_runs["p"]]), max_new_tokens=GEN,
+                             do_sample=False)[0, N:].tolist()
+    assert len(set(ref)) > 3                        # the model's answer is not one token
+    assert B[0]["token_ids"] == ref
+    assert A[0]["token_ids"] == ref, ("engine A computed P without any load and its output "
+                                      "differs from transformers'")
 
 
 def test_hybrid_stored_kv_equals_transformers(hybrid_runs):

@@ -508,7 +508,7 @@ class ShmkvConnector(KVConnectorBase_V1):
                             "off", n, tuple(t.shape), t.is_contiguous(), *want)
                 self._save_on = self._load_on = False
                 return
-        # the model's dtype, as vLLM's backend picks its ISA (t0 is uint8 for an fp8 cache)
+        # the model's dtype, as vLLM's backend picks its ISA (an fp8 cache's tensors are uint8)
         self._layout = self._self_test(self._vllm_config.model_config.dtype)
         if self._layout is None:
             self._save_on = self._load_on = False
