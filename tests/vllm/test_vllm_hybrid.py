@@ -46,29 +46,46 @@ def hybrid_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-hybrid")
     path = _tiny_gemma3(tmp / "tiny-gemma3")
     p = np.random.default_rng(5).integers(100, 49000, N).tolist()
-    seg = unique_name("vllm-hybrid")
-    extra = {"segment": seg, "num_blocks": 256}
     eng = {"dtype": "float32"}
-    try:
-        rca, ra, loga = run_engine(tmp, "A", {"model": path, "extra": extra, "engine": eng,
-                                              "requests": [{"prompt_ids": p, "max_tokens": GEN}]})
-        assert rca == 0, loga[-4000:]
-        kv = shmkv.KVCache.attach(seg)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([p]), max_new_tokens=GEN,
+                             do_sample=False)[0, N:].tolist()
+    # vLLM 0.32 CPU on this tiny Gemma 3 now and then answers [first token, 0, 0, ...] in
+    # a run that loaded nothing (seen once in A, once in B's reference run; not reproduced
+    # by reruns of the same job, with or without the connector): such a round says nothing
+    # about the connector and is run again, once; a second one fails the assertions below
+    for attempt in range(2):
+        seg = unique_name("vllm-hybrid")
+        extra = {"segment": seg, "num_blocks": 256}
         try:
-            sid = kv.create_sequence(tokens=p + [0], salt=request_salt(path))
-            stored = (kv.seq_len(sid), *kv.gather(sid))
-            kv.free(sid)
+            rca, ra, loga = run_engine(tmp, f"A{attempt}", {
+                "model": path, "extra": extra, "engine": eng,
+                "requests": [{"prompt_ids": p, "max_tokens": GEN}]})
+            assert rca == 0, loga[-4000:]
+            kv = shmkv.KVCache.attach(seg)
+            try:
+                sid = kv.create_sequence(tokens=p + [0], salt=request_salt(path))
+                stored = (kv.seq_len(sid), *kv.gather(sid))
+                kv.free(sid)
+            finally:
+                kv.close()
+            rcb, rb, logb = run_engine(tmp, f"B{attempt}", {
+                "model": path, "extra": extra, "engine": eng, "requests": [
+                    {"prompt_ids": p, "max_tokens": GEN},
+                    {"prompt_ids": p, "max_tokens": GEN, "cache_salt": "ref"}]})
+            assert rcb == 0, logb[-4000:]
         finally:
-            kv.close()
-        rcb, rb, logb = run_engine(tmp, "B", {"model": path, "extra": extra, "engine": eng,
-                                              "requests": [
-            {"prompt_ids": p, "max_tokens": GEN},
-            {"prompt_ids": p, "max_tokens": GEN, "cache_salt": "ref"}]})
-        assert rcb == 0, logb[-4000:]
-        yield {"path": path, "p": p, "A": ra["results"], "B": rb["results"],
-               "stored": stored, "logA": loga}
-    finally:
-        unlink(seg)
+            unlink(seg)
+        if (ra["results"][0]["token_ids"] == ref
+                and rb["results"][1]["token_ids"] == ref):
+            break
+    yield {"path": path, "p": p, "A": ra["results"], "B": rb["results"], "ref": ref,
+           "stored": stored, "logA": loga, "attempts": attempt + 1}
 
 
 def test_hybrid_model_shares_as_one_group_and_outputs_equal(hybrid_runs):
@@ -83,14 +100,7 @@ def test_hybrid_model_shares_as_one_group_and_outputs_equal(hybrid_runs):
     assert B[0]["token_ids"] == B[1]["token_ids"]   # a hit does not change the output
     # and all of them against transformers' own greedy answer (independent of vLLM):
     # tells a wrong load (B) apart from a wrong computation without one (A)
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hybrid_runs["path"], dtype=torch.float32,
-                                                 attn_implementation="sdpa")
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([hybrid_runs["p"]]), max_new_tokens=GEN,
-                             do_sample=False)[0, N:].tolist()
+    ref = hybrid_runs["ref"]
     assert len(set(ref)) > 3                        # the model's answer is not one token
     assert B[0]["token_ids"] == ref
     assert A[0]["token_ids"] == ref, ("engine A computed P without any load and its output "
