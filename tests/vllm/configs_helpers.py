@@ -11,7 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from serve_helpers import group_pids, mapped_vllm_shm
 
 WORKER = Path(__file__).with_name("configs_worker.py")
 ENGINE_TIMEOUT = 900
@@ -38,29 +41,32 @@ def run_engine(tmp: Path, tag: str, job: dict, env_extra: dict | None = None,
     cmd = [sys.executable, str(WORKER), str(jp), str(op)]
     if cpus:
         cmd = ["taskset", "-c", cpus, *cmd]
-    before = set(glob.glob("/dev/shm/psm_*"))
-    killed = False
+    seen: set[str] = set()      # vLLM's /dev/shm files its processes map, while it runs
     with open(tmp / f"{tag}.log", "w") as log:
         p = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         try:
-            rc = p.wait(timeout=ENGINE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            rc = -999
+            t0 = time.monotonic()
+            while p.poll() is None and time.monotonic() - t0 < ENGINE_TIMEOUT:
+                seen |= mapped_vllm_shm(group_pids(p.pid))
+                time.sleep(0.5)
+            rc = p.returncode if p.returncode is not None else -999
         finally:
+            seen |= mapped_vllm_shm(group_pids(p.pid))
             try:            # the engine's own children (EngineCore, Workers) too
                 os.killpg(p.pid, signal.SIGKILL)
-                killed = True
             except ProcessLookupError:
                 pass
             p.wait()
-    if killed:              # what a killed engine left in /dev/shm, and nobody maps
-        for path in set(glob.glob("/dev/shm/psm_*")) - before:
-            if not _mapped_anywhere(path):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+            t1 = time.monotonic()
+            while group_pids(p.pid) and time.monotonic() - t1 < 30:
+                time.sleep(0.2)
+    for path in seen:           # what it left (psm_*, a TP run's vllm_dist_*): exactly its own
+        if not _mapped_anywhere(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     out = json.loads(op.read_text()) if op.exists() else {"results": []}
     return rc, out, (tmp / f"{tag}.log").read_text(errors="replace")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 START_TIMEOUT = 600.0
-_VLLM_SHM = re.compile(r"^/dev/shm/(psm_[0-9a-f]+|sem\.mp-[A-Za-z0-9_]+)$")
+_VLLM_SHM = re.compile(r"^/dev/shm/(psm_[0-9a-f]+|sem\.mp-[A-Za-z0-9_]+|vllm_dist_[^/]+)$")
 
 
 def free_port() -> int:
