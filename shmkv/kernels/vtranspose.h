@@ -151,7 +151,9 @@ static inline void shmkv_vt32(const uint32_t *src, ptrdiff_t ss, uint32_t *dst, 
                               ptrdiff_t rows, ptrdiff_t cols) {
 #if SHMKV_X86
     const int isa = shmkv_vt_isa();
-    const ptrdiff_t n = isa == 2 ? 16 : isa == 1 ? 8 : 0;
+    /* 16x16 tiles where the matrix has 16 rows and columns, else 8x8 (AVX-512 CPUs have
+     * AVX2): a 16-token shmkv block of 16-bit K is 8 rows of token pairs */
+    const ptrdiff_t n = isa == 2 && rows >= 16 && cols >= 16 ? 16 : isa >= 1 ? 8 : 0;
     if (n) {
         const ptrdiff_t R = rows - rows % n, C = cols - cols % n;
         /* streamed when every tile row starts on an aligned line (a tile row is n floats) */
@@ -169,6 +171,75 @@ static inline void shmkv_vt32(const uint32_t *src, ptrdiff_t ss, uint32_t *dst, 
     }
 #endif
     shmkv_vt32_c(src, ss, dst, ds, rows, cols);
+}
+
+/* w[d] = a[d] | b[d] << 16 (to_w), or back, for d < D: a token pair's 32-bit words. */
+static inline void shmkv_pair16_c(uint16_t *a, uint16_t *b, uint32_t *w, ptrdiff_t D,
+                                  int to_w) {
+    if (to_w) for (ptrdiff_t d = 0; d < D; d++) w[d] = (uint32_t)a[d] | ((uint32_t)b[d] << 16);
+    else for (ptrdiff_t d = 0; d < D; d++) { a[d] = (uint16_t)w[d]; b[d] = (uint16_t)(w[d] >> 16); }
+}
+
+#if SHMKV_X86
+__attribute__((target("avx512f"))) static inline void
+shmkv_pair16_avx512(uint16_t *a, uint16_t *b, uint32_t *w, ptrdiff_t D, int to_w) {
+    ptrdiff_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        if (to_w) {
+            __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d)));
+            __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d)));
+            _mm512_storeu_si512(w + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        } else {
+            __m512i x = _mm512_loadu_si512(w + d);
+            _mm256_storeu_si256((__m256i *)(a + d), _mm512_cvtepi32_epi16(x));
+            _mm256_storeu_si256((__m256i *)(b + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+        }
+    }
+    if (d < D) shmkv_pair16_c(a + d, b + d, w + d, D - d, to_w);
+}
+#endif
+
+static inline void shmkv_pair16(uint16_t *a, uint16_t *b, uint32_t *w, ptrdiff_t D, int to_w) {
+#if SHMKV_X86
+    if (shmkv_vt_isa() == 2) { shmkv_pair16_avx512(a, b, w, D, to_w); return; }
+#endif
+    shmkv_pair16_c(a, b, w, D, to_w);
+}
+
+/* 16-bit K transpose through 32-bit units (bfloat16/float16 K of the vec layout):
+ * n tokens, rows of D elements at rows + j * rs  <->  K^T rows d at kt + d * ks (element j).
+ * Two tokens' d-th elements are one 32-bit word of K^T (the even token in the low half,
+ * little-endian), so 16 token pairs at a time are interleaved into a stack tile of words
+ * [16][D] and moved by shmkv_vt32 (register tiles, streamed stores); an odd last token
+ * and D > 256 go element by element.  kt and ks must keep words 4-byte aligned (kt at an
+ * even token of an aligned tile, ks even).  to_kt: rows -> K^T (a load), else back. */
+static inline void shmkv_vt16_via32(uint16_t *rows, ptrdiff_t rs, uint16_t *kt, ptrdiff_t ks,
+                                    ptrdiff_t n, ptrdiff_t D, int to_kt) {
+    uint32_t w[16 * 256];
+    ptrdiff_t j0 = 0;
+    if (D <= 256 && ks % 2 == 0 && ((uintptr_t)kt & 3) == 0) {
+        for (; j0 + 2 <= n; ) {
+            ptrdiff_t np = (n - j0) / 2;
+            if (np > 16) np = 16;
+            if (to_kt) {
+                for (ptrdiff_t q = 0; q < np; q++)
+                    shmkv_pair16(rows + (j0 + 2 * q) * rs, rows + (j0 + 2 * q + 1) * rs,
+                                 w + q * D, D, 1);
+                shmkv_vt32(w, D, (uint32_t *)(kt + j0), ks / 2, np, D);
+            } else {
+                shmkv_vt32((const uint32_t *)(kt + j0), ks / 2, w, D, D, np);
+                for (ptrdiff_t q = 0; q < np; q++)
+                    shmkv_pair16(rows + (j0 + 2 * q) * rs, rows + (j0 + 2 * q + 1) * rs,
+                                 w + q * D, D, 0);
+            }
+            j0 += 2 * np;
+        }
+    }
+    for (ptrdiff_t j = j0; j < n; j++)              /* what is left: element by element */
+        for (ptrdiff_t d = 0; d < D; d++) {
+            if (to_kt) kt[d * ks + j] = rows[j * rs + d];
+            else rows[j * rs + d] = kt[d * ks + j];
+        }
 }
 
 /* rows rows of n bytes: dst + r * ds <- src + r * ss (byte strides). */

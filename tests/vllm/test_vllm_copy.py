@@ -90,7 +90,7 @@ def test_c_copy_bad_arguments_raise_value_error():
     args = (t.data_ptr(), 7, kp.data_ptr(), vp.data_ptr(), 40, H, D)
     with pytest.raises(ValueError, match="equal lengths"):
         copy_blocks(*args, VB, 16, 4, shm.numpy(), vblk[:-1].numpy(), sub.numpy(), True, True)
-    with pytest.raises(ValueError, match="itemsize must be 2 or 4, got 8"):
+    with pytest.raises(ValueError, match="itemsize must be 1, 2 or 4, got 8"):
         copy_blocks(*args, VB, 16, 8, shm.numpy(), vblk.numpy(), sub.numpy(), True, True)
     with pytest.raises(ValueError, match="bad shapes"):
         copy_blocks(*args, VB, 48, 4, shm.numpy(), vblk.numpy(), sub.numpy(), True, True)

@@ -57,10 +57,12 @@ from shmkv.integrations.torch_views import pool_tensors
 from shmkv.pending import PendingMarks, prefix_keys
 
 from .events import ShmkvKVEvents, stored_event
+from .hybrid import check_groups
 from .layout import CpuLayout, probe_layout
-from .segment import open_segment, segment_spec
+from .segment import check_fp8_scales, open_segment, segment_spec, vllm_kv_scales
 from .stats import ShmkvConnectorStats, ShmkvPromMetrics, segment_gauges
 from .tier import TierLookups, tier_spec
+from .tp import rank_heads, tp_load, tp_rank, tp_save
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -185,6 +187,7 @@ class ShmkvConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_groups(kv_cache_config)       # one group of attention layers (hybrid.py)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._vb = int(vllm_config.cache_config.block_size)
         mc = vllm_config.model_config
@@ -207,6 +210,8 @@ class ShmkvConnector(KVConnectorBase_V1):
         # worker side
         self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._layout: Optional[CpuLayout] = None
+        # tensor parallel: this worker's rank; it copies its slice of the heads (tp.py)
+        self._tp = tp_rank(vllm_config, role == KVConnectorRole.WORKER)
         self._load_errors: set[int] = set()
         self._short_reqs: set[str] = set()       # requests whose load fell short this step
         self._events: list["KVCacheEvent"] = []  # this step's, for vLLM's publisher
@@ -493,8 +498,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             raise shmkv.SegmentError(
                 f"shmkv: the model has {len(names)} attention layers here, the segment "
                 f"{self._kv.name!r} has num_layers={cfg.num_layers}")
-        h, d, vb = cfg.num_kv_heads, cfg.head_dim, self._vb
-        t0 = kv_caches[names[0]]
+        h, d, vb = rank_heads(cfg.num_kv_heads, self._tp), cfg.head_dim, self._vb
         want = (h, vb, 2 * d)
         for n in names:
             t = kv_caches[n]
@@ -504,10 +508,13 @@ class ShmkvConnector(KVConnectorBase_V1):
                             "off", n, tuple(t.shape), t.is_contiguous(), *want)
                 self._save_on = self._load_on = False
                 return
-        self._layout = self._self_test(t0.dtype)
+        # the model's dtype, as vLLM's backend picks its ISA (an fp8 cache's tensors are uint8)
+        self._layout = self._self_test(self._vllm_config.model_config.dtype)
         if self._layout is None:
             self._save_on = self._load_on = False
             return
+        # fp8: the codes mean code * scale with this instance's scales (segment.py)
+        check_fp8_scales(self._kv, *vllm_kv_scales(self._vllm_config, names))
         self._layers = [(kv_caches[n], *pool_tensors(self._kv, i)) for i, n in enumerate(names)]
 
     def _self_test(self, dtype: torch.dtype) -> Optional[CpuLayout]:
@@ -519,7 +526,8 @@ class ShmkvConnector(KVConnectorBase_V1):
 
             isa = _get_attn_isa(dtype, self._vb, cfg.head_dim,
                                 self._vllm_config.cache_config.cache_dtype)
-            lay = probe_layout(isa, dtype, cfg.num_kv_heads, cfg.head_dim, self._vb, self._bs)
+            lay = probe_layout(isa, dtype, cfg.num_kv_heads, cfg.head_dim, self._vb, self._bs,
+                               str(self._vllm_config.cache_config.cache_dtype))
         except Exception as e:
             log.warning("shmkv: the layout self-test raised %s: %s", type(e).__name__, e)
             lay = None
@@ -527,8 +535,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             log.warning("shmkv: vLLM's KV layout for ISA %r is not one this connector "
                         "understands: saving and loading are off (no wrong bytes stored)", isa)
         else:
-            log.info("shmkv: ISA %r, K %s per block and head", isa,
-                     "transposed" if lay.k_transposed else "row-major")
+            log.info("shmkv: ISA %r, layout %s", isa, lay.name)
         return lay
 
     def _pieces(self, block_ids: list[int], t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -563,6 +570,12 @@ class ShmkvConnector(KVConnectorBase_V1):
             pass
 
     def _load(self, op: LoadOp) -> None:
+        if self._tp is not None:            # this rank's slice of the heads (tp.py)
+            before = self.stats["loaded_tokens"]
+            tp_load(self, op)
+            good = op.start + int(self.stats["loaded_tokens"] - before)
+            self._account_load(op, good)
+            return
         kv, vb = self._kv, self._vb
         assert kv is not None
         good = op.start
@@ -592,16 +605,22 @@ class ShmkvConnector(KVConnectorBase_V1):
                 except Exception:
                     pass
         self.stats["loaded_tokens"] += good - op.start
-        self._iv.count("loaded_tokens", good - op.start)
-        self._iv.count("loaded_blocks", (good - op.start) // self._bs)
-        if op.hashes is not None and good // vb > op.start // vb:
-            self._announce(op.hashes, op.tokens, op.start // vb, good // vb, op.lora_name)
+        self._account_load(op, good)
         if good < op.end:
             failed = op.block_ids[(good - op.start) // vb:]
             self._load_errors.update(failed)
             self._short_reqs.add(op.req_id)
             self.stats["load_shortfall_tokens"] += op.end - good
             self.stats["load_errors"] += 1
+
+    def _account_load(self, op: LoadOp, good: int) -> None:
+        """This interval's figures and events for a load that delivered [start, good)."""
+        vb = self._vb
+        self._iv.count("loaded_tokens", good - op.start)
+        self._iv.count("loaded_blocks", (good - op.start) // self._bs)
+        if op.hashes is not None and good // vb > op.start // vb:
+            self._announce(op.hashes, op.tokens, op.start // vb, good // vb, op.lora_name)
+        if good < op.end:
             self._iv.count("load_failures")
             self._iv.count("load_failed_tokens", op.end - good)
 
@@ -655,6 +674,15 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._dump_stats()
 
     def _save(self, op: SaveOp) -> None:
+        if self._tp is not None:            # this rank's slice of the heads (tp.py)
+            saved, errors = self.stats["saved_tokens"], self.stats["save_errors"]
+            tp_save(self, op)
+            if self.stats["save_errors"] > errors:
+                self._iv.count("save_errors", self.stats["save_errors"] - errors)
+            n = int(self.stats["saved_tokens"] - saved)
+            if n > 0:
+                self._account_save(op, len(op.tokens) - n, len(op.tokens))
+            return
         kv, bs = self._kv, self._bs
         assert self._layout is not None and kv is not None
         end = len(op.tokens)
@@ -677,11 +705,7 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._layout.copy(t, kp, vp, bs, dst, vblk, sub, to_vllm=False)
             kv.commit(sid)                      # every byte written: now findable
             self.stats["saved_tokens"] += end - have
-            self._iv.count("saved_tokens", end - have)
-            self._iv.count("saved_blocks", (end - have) // bs)
-            if op.hashes is not None:
-                self._announce(op.hashes, op.tokens, have // self._vb, end // self._vb,
-                               op.lora_name)
+            self._account_save(op, have, end)
         except Exception as e:                  # full pool, foreign segment...: a miss later
             self.stats["save_errors"] += 1
             self._iv.count("save_errors")
@@ -692,6 +716,14 @@ class ShmkvConnector(KVConnectorBase_V1):
                     kv.free(sid)                # committed blocks stay cached
                 except Exception:
                     pass
+
+    def _account_save(self, op: SaveOp, have: int, end: int) -> None:
+        """This interval's figures and events for a save that published [have, end)."""
+        self._iv.count("saved_tokens", end - have)
+        self._iv.count("saved_blocks", (end - have) // self._bs)
+        if op.hashes is not None:
+            self._announce(op.hashes, op.tokens, have // self._vb, end // self._vb,
+                           op.lora_name)
 
     def shutdown(self) -> None:
         if self._lookups is not None:

@@ -2,8 +2,12 @@
 extra-config keys that size a new one, and attach-or-create with the fit check.
 
 A segment fits a model when num_layers, num_kv_heads, head_dim and dtype are the model's
-(as this worker sees them) and its block_size divides vLLM's; anything else is refused
-with both layouts in the message, at engine start.
+and its block_size divides vLLM's; anything else is refused with both layouts in the
+message, at engine start.  num_kv_heads is the model's total (a tensor-parallel rank holds
+a slice of them and copies only its slice; tp.py).  The dtype is the KV cache's:
+the model's for ``kv_cache_dtype="auto"``, ``float8_e4m3`` for vLLM's e4m3 fp8 cache
+("fp8", "fp8_e4m3": its codes are stored as they are), whose per-layer scales are the
+segment's scale table (:func:`check_fp8_scales`: instances with other scales are refused).
 """
 from __future__ import annotations
 
@@ -18,11 +22,13 @@ from .tier import seed_for, tier_spec
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
 
-__all__ = ["SegmentSpec", "segment_spec", "open_segment"]
+__all__ = ["SegmentSpec", "segment_spec", "open_segment", "cache_dtype_name", "check_fp8_scales",
+           "vllm_kv_scales"]
 
 log = logging.getLogger("vllm.shmkv")
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+FP8_E4M3 = ("fp8", "fp8_e4m3")         # vLLM's names of an e4m3 KV cache
 _DEFAULT_GIB = 1.0
 DEFAULT_BLOCK = 16
 
@@ -43,6 +49,65 @@ def _dtype_name(dtype: Any) -> str:
     return _DTYPES[name]
 
 
+def cache_dtype_name(cache_dtype: Any, model_dtype: Any) -> str:
+    """The pool dtype that holds vLLM's KV cache bytes as they are: the model's dtype for
+    "auto", a float dtype named outright, float8_e4m3 for vLLM's e4m3 fp8 cache."""
+    cd = str(cache_dtype or "auto").replace("torch.", "")
+    if cd == "auto":
+        return _dtype_name(model_dtype)
+    if cd in FP8_E4M3:
+        return "float8_e4m3"
+    if cd in _DTYPES:
+        return _DTYPES[cd]
+    raise ValueError(f"shmkv: kv_cache_dtype {cache_dtype!r} is not supported: expected "
+                     f"'auto', one of {sorted(_DTYPES)} or one of {list(FP8_E4M3)} (vLLM's "
+                     f"e4m3 codes, stored as they are in a float8_e4m3 pool; shmkv has no "
+                     f"e5m2 pool)")
+
+
+def check_fp8_scales(kv: shmkv.KVCache, k_scales: list, v_scales: list) -> None:
+    """vLLM's per-layer fp8 scales against the segment's scale table (float8_e4m3 pools).
+
+    The codes are copied as they are, so they mean ``code * scale`` with the scales of the
+    instance that wrote them: instances with other scales must never share.  A segment
+    that has never held a block takes this instance's scales; one that has, with other
+    scales, is refused (SegmentError naming both).  The tier keys blocks by the scale
+    table as well."""
+    cfg = kv.config
+    if cfg.dtype != "float8_e4m3":
+        return
+    if len(k_scales) != cfg.num_layers or len(v_scales) != cfg.num_layers:
+        raise shmkv.SegmentError(f"shmkv: {len(k_scales)} layers' fp8 scales for a segment "
+                                 f"of {cfg.num_layers} layers")
+    import numpy as np
+
+    want = np.asarray([k_scales, v_scales], dtype=np.float32)          # [2, L]
+    have = np.stack([np.stack(kv.kv_scales(i)) for i in range(cfg.num_layers)], 1)  # [2, L, H]
+    if (have == want[:, :, None]).all():
+        return
+    if kv.stats()["allocations"] == 0:          # nothing was ever written with the old ones
+        for i in range(cfg.num_layers):
+            kv.set_kv_scales(i, float(want[0, i]), float(want[1, i]))
+        return
+    bad = int(np.argwhere((have != want[:, :, None]).any(axis=(0, 2)))[0, 0])
+    raise shmkv.SegmentError(
+        f"shmkv: segment {kv.name!r} holds fp8 codes written with other scales: layer {bad} "
+        f"has (k_scale, v_scale) = ({have[0, bad].tolist()}, {have[1, bad].tolist()}) per "
+        f"kv head, this instance's vLLM uses ({want[0, bad]}, {want[1, bad]}); instances "
+        f"with other fp8 scales cannot share blocks (name another segment)")
+
+
+def vllm_kv_scales(vllm_config: "VllmConfig", layer_names: list) -> tuple[list, list]:
+    """The float k/v scales vLLM's attention layers use (``_k_scale_float``), in order."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    k, v = [], []
+    for n in layer_names:
+        layer = ctx.get(n)
+        k.append(float(getattr(layer, "_k_scale_float", 1.0)))
+        v.append(float(getattr(layer, "_v_scale_float", 1.0)))
+    return k, v
+
+
 def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> SegmentSpec:
     """The segment's name and the config a new one gets, from the model and the extra
     config (``segment``, ``num_blocks`` | ``size_gib``, ``block_size``, ``max_seqs``,
@@ -53,14 +118,11 @@ def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> Segment
                          f"got {name!r}")
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
-    if tp != 1 or pp != 1:
-        # each rank holds a slice of the heads or layers: they would share shmkv blocks
-        raise ValueError(f"shmkv: the connector supports one worker per instance "
-                         f"(tensor_parallel_size 1, pipeline_parallel_size 1), got {tp}, {pp}")
-    if cc.cache_dtype not in ("auto", None) and not str(cc.cache_dtype).startswith(
-            ("float32", "float16", "bfloat16")):
-        raise ValueError(f"shmkv: kv_cache_dtype {cc.cache_dtype!r} is not supported "
-                         "(the connector stores the model's dtype)")
+    if pp != 1:
+        # each stage holds a slice of the layers: a block would be written by several
+        # instances' stages with no one to publish it whole (not built)
+        raise ValueError(f"shmkv: the connector does not support pipeline parallel "
+                         f"(pipeline_parallel_size: expected 1, got {pp})")
     vb = int(cc.block_size)
     # 16 by default (when it divides vLLM's): a hit ends at a 16-token boundary, so vLLM
     # recomputes at most 16 tokens of a prompt whose prefix is all there, not a whole block
@@ -68,10 +130,16 @@ def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> Segment
     if bs < 1 or vb % bs:
         raise ValueError(f"shmkv: block_size must divide vLLM's block size {vb}, got {bs}")
     layers = mc.get_num_layers(pc)
-    heads = mc.get_num_kv_heads(pc)
+    heads = mc.get_total_num_kv_heads()
+    if heads % tp:
+        # vLLM then replicates KV heads over ranks: each rank's slice is not a slice
+        raise ValueError(f"shmkv: tensor_parallel_size {tp} does not divide the model's "
+                         f"{heads} KV heads (vLLM replicates them over ranks; the connector "
+                         f"needs each rank to hold its own slice)")
     head_dim = mc.get_head_size()
-    dtype = _dtype_name(mc.dtype)
-    per_block = 2 * layers * heads * head_dim * bs * (4 if dtype == "float32" else 2)
+    dtype = cache_dtype_name(cc.cache_dtype, mc.dtype)
+    itemsize = {"float32": 4, "float8_e4m3": 1}.get(dtype, 2)
+    per_block = 2 * layers * heads * head_dim * bs * itemsize
     if "num_blocks" in extra:
         num_blocks = int(extra["num_blocks"])
     else:

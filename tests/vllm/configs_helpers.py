@@ -1,0 +1,105 @@
+"""What the configuration tests of issue 33 share (test_vllm_fp8.py, test_vllm_tp.py,
+test_vllm_shared_hf.py, ...): one engine run in its own process group through
+configs_worker.py, killed with its children whatever happens, vLLM's own /dev/shm/psm_*
+files of an engine that had to be killed removed (only new ones no live process maps);
+prompts from SmolLM2's tokenizer; the engine-config builder for in-process connectors."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("configs_worker.py")
+ENGINE_TIMEOUT = 900
+
+
+def _mapped_anywhere(path: str) -> bool:
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                if path in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def run_engine(tmp: Path, tag: str, job: dict, env_extra: dict | None = None,
+               cpus: str | None = None) -> tuple[int, dict, str]:
+    """(exit code, results, log) of one engine running `job` (configs_worker.py)."""
+    jp, op = tmp / f"{tag}.json", tmp / f"{tag}.out.json"
+    jp.write_text(json.dumps(job))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               **(env_extra or {}))
+    cmd = [sys.executable, str(WORKER), str(jp), str(op)]
+    if cpus:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    before = set(glob.glob("/dev/shm/psm_*"))
+    killed = False
+    with open(tmp / f"{tag}.log", "w") as log:
+        p = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            rc = p.wait(timeout=ENGINE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            rc = -999
+        finally:
+            try:            # the engine's own children (EngineCore, Workers) too
+                os.killpg(p.pid, signal.SIGKILL)
+                killed = True
+            except ProcessLookupError:
+                pass
+            p.wait()
+    if killed:              # what a killed engine left in /dev/shm, and nobody maps
+        for path in set(glob.glob("/dev/shm/psm_*")) - before:
+            if not _mapped_anywhere(path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+    out = json.loads(op.read_text()) if op.exists() else {"results": []}
+    return rc, out, (tmp / f"{tag}.log").read_text(errors="replace")
+
+
+def model_dir() -> str:
+    from shmkv.models import smollm2_dir
+
+    return str(smollm2_dir())
+
+
+def prompt_ids(model: str, start: int, n: int) -> list[int]:
+    """`n` token ids of Debian's GPL-3 text from character `start` (distinct starts give
+    prompts with no common prefix)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    text = Path("/usr/share/common-licenses/GPL-3").read_text()
+    ids = tok.encode(text[start:start + 8 * n], add_special_tokens=False)[:n]
+    assert len(ids) == n, (n, len(ids))
+    return list(ids)
+
+
+def engine_config(model: str, segment: str, **engine):
+    """A VllmConfig with the connector on `segment` (in-process connector tests)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    engine.setdefault("enforce_eager", True)
+    engine.setdefault("max_model_len", 1024)
+    return EngineArgs(model=model, kv_transfer_config=KVTransferConfig(
+        kv_connector="ShmkvConnector", kv_connector_module_path="shmkv.integrations.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"segment": segment}), **engine).create_engine_config()
+
+
+def unlink(seg: str) -> None:
+    import shmkv
+
+    try:
+        shmkv.KVCache.attach(seg).unlink()
+    except FileNotFoundError:
+        pass
