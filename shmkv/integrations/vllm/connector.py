@@ -150,6 +150,11 @@ class _ReqState:
     claimed: Optional[np.ndarray] = None      # the keys it marked pending
     wait_since: Optional[float] = None        # held back since (another instance computes)
     gave_up: bool = False                     # waited pending_wait: computes it here
+    claim_range: Optional[tuple[int, int]] = None   # blocks it will compute, to mark
+
+
+# seconds a request's blocks are marked pending between its lookup and its allocation
+_TENTATIVE_TTL = 2.0
 
 
 def _missing_package(dtype: str) -> Optional[str]:
@@ -329,19 +334,33 @@ class ShmkvConnector(KVConnectorBase_V1):
                 log.info("shmkv: %s waited %.1f s for another instance's prefix; computing "
                          "it here", st.request.request_id, now - st.wait_since)
         # what this instance computes and saves (whole vLLM blocks of the prompt, beyond
-        # its own cache, which it does not save again) is pending until published
+        # its own cache, which it does not save again) is pending until published.  Marked
+        # now for a few seconds (closes the race with another instance's lookup of the same
+        # step), and for pending_ttl once vLLM allocates the request's blocks, i.e. runs it
+        # (update_state_after_alloc): a request left queued here holds others back briefly
         upto = min(limit, st.request.num_prompt_tokens // vb * vb) // bs
-        if upto > first:
-            keys = st.keys[first:upto]
-            if self._pending.claim(keys, self._pending_ttl) == 0:
-                st.claimed = keys if st.claimed is None else np.union1d(st.claimed, keys)
+        st.claim_range = (first, upto) if upto > first else None
+        if st.claim_range is not None and st.claimed is None:
+            self._claim(st, min(self._pending_ttl, _TENTATIVE_TTL))
         return False
+
+    def _claim(self, st: _ReqState, ttl: float) -> None:
+        assert self._pending is not None and st.keys is not None and st.claim_range
+        keys = st.keys[st.claim_range[0]:st.claim_range[1]]
+        if self._pending.claim(keys, ttl) == 0:
+            st.claimed = keys if st.claimed is None else np.union1d(st.claimed, keys)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
+        if self._pending is not None and st.claim_range is not None:
+            try:                            # it runs now: pending until published
+                self._claim(st, self._pending_ttl)
+            except Exception as e:
+                log.warning("shmkv: pending marks failed (%s: %s)", type(e).__name__, e)
+            st.claim_range = None
         if num_external_tokens <= 0 or st.load is None:
             st.load = None
         else:
