@@ -246,7 +246,7 @@ clean:
 # make test-compat: each integration's dependencies at the lowest and the newest tested
 # version (shmkv/_compat.py TESTED = pyproject's extras), two plain venvs in .compat/
 # against one wheel of this checkout, a focused subset of the suite in each; prints the
-# versions tested. torch is 2.13.0 in both (the only build installable here).
+# versions tested. torch==2.13.0 in both (the only build installable here).
 test-compat: $(DEPS) redis
 	$(PYTHON) tools/test_compat.py --python $(PY)
 

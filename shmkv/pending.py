@@ -158,6 +158,17 @@ class PendingMarks:
                 free = s
         return -1, free
 
+    def _leading(self, keys: Sequence[int], now: float,
+                 alive: Dict[Tuple[int, int], bool]) -> int:
+        """How many leading ``keys`` other live processes mark (the lock is held)."""
+        n = 0
+        for key in keys:
+            s, _ = self._find(int(key), now, alive)
+            if s < 0 or self._mine(self._recs[s]) or not self._live(self._recs[s], now, alive):
+                break
+            n += 1
+        return n
+
     def _mine(self, rec: np.void) -> bool:
         return int(rec["pid"]) == self._pid and int(rec["start"]) == self._start
 
@@ -175,12 +186,7 @@ class PendingMarks:
             now = time.monotonic()
             alive: Dict[Tuple[int, int], bool] = {}
             recs = self._recs
-            held = 0
-            for key in keys:
-                s, _ = self._find(int(key), now, alive)
-                if s < 0 or self._mine(recs[s]) or not self._live(recs[s], now, alive):
-                    break
-                held += 1
+            held = self._leading(keys, now, alive)
             if held:
                 return held
             for key in keys:
@@ -202,16 +208,7 @@ class PendingMarks:
             return 0
         fcntl.flock(self._fd, fcntl.LOCK_SH)
         try:
-            now = time.monotonic()
-            alive: Dict[Tuple[int, int], bool] = {}
-            n = 0
-            for key in keys:
-                s, _ = self._find(int(key), now, alive)
-                if s < 0 or self._mine(self._recs[s]) or not self._live(self._recs[s], now,
-                                                                         alive):
-                    break
-                n += 1
-            return n
+            return self._leading(keys, time.monotonic(), {})
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 

@@ -5,30 +5,16 @@ files of an engine that had to be killed removed (only new ones no live process 
 prompts from SmolLM2's tokenizer; the engine-config builder for in-process connectors."""
 from __future__ import annotations
 
-import glob
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from serve_helpers import group_pids, mapped_vllm_shm
+from serve_helpers import run_group
 
 WORKER = Path(__file__).with_name("configs_worker.py")
 ENGINE_TIMEOUT = 900
-
-
-def _mapped_anywhere(path: str) -> bool:
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                if path in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def run_engine(tmp: Path, tag: str, job: dict, env_extra: dict | None = None,
@@ -41,32 +27,10 @@ def run_engine(tmp: Path, tag: str, job: dict, env_extra: dict | None = None,
     cmd = [sys.executable, str(WORKER), str(jp), str(op)]
     if cpus:
         cmd = ["taskset", "-c", cpus, *cmd]
-    seen: set[str] = set()      # vLLM's /dev/shm files its processes map, while it runs
     with open(tmp / f"{tag}.log", "w") as log:
         p = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
-        try:
-            t0 = time.monotonic()
-            while p.poll() is None and time.monotonic() - t0 < ENGINE_TIMEOUT:
-                seen |= mapped_vllm_shm(group_pids(p.pid))
-                time.sleep(0.5)
-            rc = p.returncode if p.returncode is not None else -999
-        finally:
-            seen |= mapped_vllm_shm(group_pids(p.pid))
-            try:            # the engine's own children (EngineCore, Workers) too
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-            t1 = time.monotonic()
-            while group_pids(p.pid) and time.monotonic() - t1 < 30:
-                time.sleep(0.2)
-    for path in seen:           # what it left (psm_*, a TP run's vllm_dist_*): exactly its own
-        if not _mapped_anywhere(path):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        rc = run_group(p, ENGINE_TIMEOUT)    # and removes what vLLM left in /dev/shm
     out = json.loads(op.read_text()) if op.exists() else {"results": []}
     return rc, out, (tmp / f"{tag}.log").read_text(errors="replace")
 

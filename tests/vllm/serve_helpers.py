@@ -15,7 +15,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -71,6 +70,37 @@ def mapped_vllm_shm(pids: list[int]) -> set[str]:
                 if _VLLM_SHM.match(path):
                     found.add(path)
     return found
+
+
+def run_group(p: subprocess.Popen, timeout: float) -> int:
+    """Wait for ``p`` (started with ``start_new_session``) up to ``timeout``, recording the
+    /dev/shm files vLLM maps in its process group while it runs; then SIGKILL the group
+    (the engine's own children too), wait for it to be gone, and unlink exactly the files
+    it mapped that are left and that no live process maps.  Its exit code, -999 on time-out."""
+    seen: set[str] = set()
+    try:
+        t0 = time.monotonic()
+        while p.poll() is None and time.monotonic() - t0 < timeout:
+            seen |= mapped_vllm_shm(group_pids(p.pid))
+            time.sleep(0.5)
+        rc = p.returncode if p.returncode is not None else -999
+    finally:
+        seen |= mapped_vllm_shm(group_pids(p.pid))
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+        t1 = time.monotonic()
+        while group_pids(p.pid) and time.monotonic() - t1 < 30:
+            time.sleep(0.2)
+        still = mapped_vllm_shm([int(d) for d in os.listdir("/proc") if d.isdigit()])
+        for path in seen - still:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    return rc
 
 
 class ServeInstance:
@@ -232,7 +262,3 @@ def parse_metrics(text: str) -> dict[str, float]:
 def cached_tokens(resp: dict) -> int:
     d = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
     return int(d.get("cached_tokens") or 0)
-
-
-def python_exe() -> str:
-    return sys.executable

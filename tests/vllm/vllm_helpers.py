@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from serve_helpers import group_pids, mapped_vllm_shm
+from serve_helpers import run_group
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 VB = 128                          # vLLM's block size on CPU
@@ -44,28 +42,7 @@ def _run_engine(tmp: Path, tag: str, job: dict, fault: bool = False) -> tuple[in
         p = subprocess.Popen([sys.executable, str(WORKER), str(jp), str(op)], cwd="/tmp",
                              env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
-        seen: set[str] = set()          # vLLM's /dev/shm files the engine's processes map
-        try:
-            t0 = time.monotonic()
-            while p.poll() is None and time.monotonic() - t0 < ENGINE_TIMEOUT:
-                seen |= mapped_vllm_shm(group_pids(p.pid))
-                time.sleep(0.5)
-            rc = p.returncode if p.returncode is not None else -999
-        finally:
-            seen |= mapped_vllm_shm(group_pids(p.pid))
-            try:                # the engine's own children (EngineCore, Worker) too
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-            t1 = time.monotonic()
-            while group_pids(p.pid) and time.monotonic() - t1 < 30:
-                time.sleep(0.2)
-            for path in seen:   # what a killed engine leaves: exactly its own files
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+        rc = run_group(p, ENGINE_TIMEOUT)    # and removes what vLLM left in /dev/shm
     out = json.loads(op.read_text()) if op.exists() else {"results": []}
     return rc, out
 
