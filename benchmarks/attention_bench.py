@@ -207,14 +207,22 @@ def decode_isa_case(dtype, batch, length, isas, reps, threads, base=None, evict=
         k, v = case.cache.key_cache(0), case.cache.value_cache(0)
         fns = {"floor": lambda: (_attention.bench_read(k), _attention.bench_read(v))}
         for name in isas:
-            isa, _, which = name.partition("@")
+            spec, _, which = name.partition("@")
+            isa, _, prec = spec.partition(":")          # "avx512:bf16", "avx512:bf16-fma"
             mod = base if which == "base" else _attention
+            kw = {"precision": prec.removesuffix("-fma")} if prec else {}
+            dots = not prec.endswith("-fma")
 
-            def run(isa=isa, mod=mod):
+            def run(isa=isa, mod=mod, kw=kw, dots=dots):
                 mod._force_isa(isa)
+                if kw:
+                    mod._force_dots(dots)
                 t0 = time.perf_counter_ns()
-                mod.attention(case.cache, 0, q, case.sids, out=out)
-                return time.perf_counter_ns() - t0
+                mod.attention(case.cache, 0, q, case.sids, out=out, **kw)
+                t = time.perf_counter_ns() - t0
+                if kw:
+                    mod._force_dots(True)
+                return t
             fns[name] = run
         ts = {name: [] for name in fns}
         for r in range(reps + 1):                   # the first round warms up
@@ -504,7 +512,9 @@ def main(argv=None):
                     "the side-by-side with vLLM's kernel)")
     ap.add_argument("--decode-isa", metavar="ISAS",
                     help="only the decode cases, each ISA of the comma list forced in turn "
-                         "(e.g. avx2,avx512), interleaved with the floor, printed")
+                         "(e.g. avx2,avx512), interleaved with the floor, printed; "
+                         "ISA:bf16 runs precision='bf16' (ISA:bf16-fma: on the FMA paths, "
+                         "the dot instructions off)")
     ap.add_argument("--dtypes", default="float16,bfloat16",
                     help="pool dtypes of --decode-isa (comma list)")
     ap.add_argument("--base", metavar="SO",

@@ -40,6 +40,8 @@ cdef extern from "kernels/attention.h" nogil:
         SHMKV_ATT_OK
         SHMKV_ATT_ECORRUPT
         SHMKV_ATT_ENOMEM
+        SHMKV_PREC_FP32
+        SHMKV_PREC_BF16
     ctypedef struct shmkv_attn_args_t:
         const uint8_t *kpool
         const uint8_t *vpool
@@ -58,6 +60,7 @@ cdef extern from "kernels/attention.h" nogil:
         int q_dtype
         float *out
         float scale
+        int precision
     int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq)
     int shmkv_attn_set_threads(int n)
     int shmkv_attn_get_threads()
@@ -65,6 +68,8 @@ cdef extern from "kernels/attention.h" nogil:
     int shmkv_attn_isa()
     int shmkv_attn_force_isa(int isa)
     int shmkv_attn_force_rows(int on)
+    int shmkv_attn_dot_isa()
+    int shmkv_attn_force_dots(int on)
     int shmkv_attn_plan(const uint32_t *q_lens, const uint32_t *seq_lens, uint32_t nseq,
                         uint32_t group, int wide, int threads, uint32_t *rt, uint64_t *chunk)
     const char *shmkv_attn_pool()
@@ -129,6 +134,26 @@ def _force_rows(on):
     it applies: a vector ISA, several rows, at least 32 query vectors per kv head, and no
     AMX tile path for the pool."""
     shmkv_attn_force_rows(1 if on else 0)
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def dot_isa():
+    """The dot-product instructions ``precision="bf16"`` runs on here, under the ISA in use:
+    "avx512_bf16+vnni", "avx512_bf16", "avx512_vnni", or "fma" (no such instructions, or
+    switched off: q and the weights are rounded the same way, the products are FMAs)."""
+    bits = shmkv_attn_dot_isa()
+    names = [n for b, n in ((1, "avx512_bf16"), (2, "avx512_vnni")) if bits & b]
+    if len(names) == 2:
+        return "avx512_bf16+vnni"
+    return names[0] if names else "fma"
+
+
+def _force_dots(on):
+    """Test and benchmark hook: False runs ``precision="bf16"`` on the FMA paths even where
+    the CPU has the bf16 / int8 dot instructions; True (the default) uses them."""
+    shmkv_attn_force_dots(1 if on else 0)
 
 
 def _plan(q_lens, seq_lens, group, wide, threads):
@@ -205,9 +230,13 @@ cdef int _q_type(object dt, object pool_dt, int pool_code) except -1:
                     f"{_POOL_NAMES.get(pool_code)}, got {dt}")
 
 
-def attention(cache, layer, q, sids, q_lens=None, scale=None, out=None):
+def attention(cache, layer, q, sids, q_lens=None, scale=None, out=None, precision="fp32"):
     """See KVCache.attention."""
     cdef shmkv_ctx_t *c = segment_ctx(cache)
+    if not isinstance(precision, str):
+        raise TypeError(f"precision: expected str, got {type(precision).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
     cdef uint32_t hkv = c.cfg.num_kv_heads, D = c.cfg.head_dim
     # ---- arguments (nothing is locked yet) -------------------------------------------
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
@@ -332,6 +361,7 @@ def attention(cache, layer, q, sids, q_lens=None, scale=None, out=None):
         a.q_dtype = qt
         a.out = <float *>cnp.PyArray_DATA(oa)
         a.scale = <float>fscale
+        a.precision = SHMKV_PREC_BF16 if precision == "bf16" else SHMKV_PREC_FP32
         with nogil:
             st = shmkv_attention(&a, &bad)
         if st == SHMKV_ATT_ENOMEM:

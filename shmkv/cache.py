@@ -115,7 +115,8 @@ class KVCache(DataOps):
                   sids: Iterable[int | np.integer[Any]] | npt.NDArray[np.integer[Any]], *,
                   q_lens: Optional[Iterable[int] | npt.NDArray[np.integer[Any]]] = None,
                   scale: Optional[float] = None,
-                  out: Optional[npt.NDArray[np.float32]] = None) -> npt.NDArray[np.float32]:
+                  out: Optional[npt.NDArray[np.float32]] = None,
+                  precision: str = "fp32") -> npt.NDArray[np.float32]:
         """Paged attention over the block tables of ``sids``, for one layer.
 
         ``softmax(q . k^T * scale) . v`` per query head, read straight from the pools (no
@@ -137,6 +138,13 @@ class KVCache(DataOps):
             Default ``1 / sqrt(head_dim)``.
         out : ndarray, optional
             C-contiguous, writable float32 of q's shape; written and returned.
+        precision : {"fp32", "bf16"}
+            ``"fp32"`` (the default): every product in float32, the result within float32
+            rounding of the exact one.  ``"bf16"`` (opt-in, faster on CPUs with
+            AVX512_BF16 / AVX512_VNNI): q (times the scale) and the softmax weights are
+            rounded to bfloat16 once, the products run on the CPU's bf16 dot instructions
+            (int8 pools: q quantized to int8 per vector, on VNNI), accumulation stays
+            float32.  Its error bounds are in the README (Paged attention).
 
         Returns
         -------
@@ -154,15 +162,15 @@ class KVCache(DataOps):
         ValueError
             q's rank, shape or head count; ``len(sids)`` or ``sum(q_lens)`` not matching
             the rows; a ``q_lens[i]`` < 1 or > ``seq_len``; an empty sequence; a bad
-            ``out``.
+            ``out``; a ``precision`` other than "fp32" / "bf16".
         TypeError
-            q's or out's dtype; an int8 pool.
+            q's or out's dtype; a non-str ``precision``.
         SequenceNotFound
             An unknown or freed sid.
         SegmentError
             A corrupt table or length in the segment.
         """
-        return _attention.attention(self, layer, q, sids, q_lens, scale, out)
+        return _attention.attention(self, layer, q, sids, q_lens, scale, out, precision)
 
     def close(self) -> None:
         """Detach this process (idempotent; the segment stays).  A remote tier set on

@@ -48,6 +48,17 @@ static inline float shmkv_bf16_to_f32(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+/* x rounded to bfloat16 (to nearest even), kept as a float; a NaN stays a quiet NaN.  The
+ * opt-in bf16 mode rounds q and the softmax weights with it (and its vector twins). */
+static inline float shmkv_round_bf16(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) b |= 0x00400000u;
+    else b += 0x7fffu + ((b >> 16) & 1u);
+    b &= 0xffff0000u;
+    memcpy(&x, &b, 4);
+    return x;
+}
 /* bytes per element of a kernel element type */
 #define SHMKV_ESZ(dt) ((dt) == SHMKV_ATT_F32 ? 4u : ((dt) == SHMKV_ATT_I8 || (dt) == SHMKV_ATT_E4M3) ? 1u : 2u)
 #define SHMKV_QUANT(dt) ((dt) == SHMKV_ATT_I8 || (dt) == SHMKV_ATT_E4M3)
@@ -162,6 +173,8 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
                 else
                     for (uint32_t i = 0; i < d; i++)
                         dst[i] = shmkv_load_elem(src, SHMKV_ATT_F16, i) * qscale;
+                if (a->precision == SHMKV_PREC_BF16)
+                    for (uint32_t i = 0; i < d; i++) dst[i] = shmkv_round_bf16(dst[i]);
             }
 }
 
@@ -210,6 +223,7 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #define SHMKV_HAVE_X86 0
 #endif
 #include "attention_amx.h"
+#include "attention_dot.h"
 
 typedef int (*shmkv_item_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                              uint32_t);
@@ -306,6 +320,39 @@ static shmkv_gemm_fn shmkv_att_pick_gemm(uint32_t d, shmkv_gemm_scratch_fn *scra
 int shmkv_attn_force_rows(int on) {
     shmkv_att_gemm_off = on != 0;
     return 0;
+}
+
+/* the opt-in mode's items on the dot instructions (attention_dot.h): the row item's
+ * arguments and a scratch */
+typedef int (*shmkv_dot_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
+                            uint32_t, float *);
+static int shmkv_att_dots_off;  /* _attention._force_dots(False): the FMA paths */
+
+int shmkv_attn_force_dots(int on) {
+    shmkv_att_dots_off = on == 0;
+    return 0;
+}
+
+int shmkv_attn_dot_isa(void) {
+#if SHMKV_HAVE_X86
+    if (!shmkv_att_dots_off && shmkv_attn_isa() >= SHMKV_ISA_AVX512) return shmkv_dot_cpu();
+#endif
+    return 0;
+}
+
+/* The call's row item on dot instructions, or NULL: the opt-in mode, a bfloat16 pool on
+ * AVX512_BF16 (d a multiple of 32), an int8 pool on AVX512_VNNI (d a multiple of 64, at
+ * most 256: the integer sums stay exact in float32). */
+static shmkv_dot_fn shmkv_att_pick_dot(const shmkv_attn_args_t *a) {
+    if (a->precision != SHMKV_PREC_BF16) return NULL;
+#if SHMKV_HAVE_X86
+    const int dots = shmkv_attn_dot_isa();
+    if (a->kv_dtype == SHMKV_ATT_BF16 && (dots & SHMKV_DOT_BF16) && a->d % 32 == 0)
+        return shmkv_att_item_dpbf16;
+    if (a->kv_dtype == SHMKV_ATT_I8 && (dots & SHMKV_DOT_VNNI) && a->d % 64 == 0 && a->d <= 256)
+        return shmkv_att_item_vnni;
+#endif
+    return NULL;
 }
 
 /* ---- the thread pool ------------------------------------------------------------------ */
@@ -583,6 +630,7 @@ int shmkv_attn_get_threads(void) {
 static shmkv_item_fn shmkv_att_fn;
 static shmkv_gemm_fn shmkv_att_gemm;    /* the call's GEMM prefill item, or NULL */
 static shmkv_gemm_scratch_fn shmkv_att_gemm_scratch;
+static shmkv_dot_fn shmkv_att_dot;      /* the call's dot row item, or NULL */
 static int shmkv_att_isa_now;           /* the call's ISA (call_mu held) */
 
 static float *shmkv_scratch_get(int tid, size_t floats) {
@@ -607,11 +655,14 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     const int amx = SHMKV_HAVE_X86 && it->nrows > 1 && shmkv_att_tiles(a, shmkv_att_isa_now);
     /* other prefill rows, enough query vectors to fill the lanes: the GEMM-shaped item */
     const int gemm = !amx && shmkv_att_gemm != NULL && it->nrows > 1 && it->nrows * G >= GEMM_MIN_QV;
+    /* the opt-in mode's row item on dot instructions, where there is one */
+    const int dot = !amx && !gemm && shmkv_att_dot != NULL;
     /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] (then the tiles' own) */
     const size_t base = ((size_t)nqv * (2 * d + 2) + 64 + 15) / 16 * 16;
 #if SHMKV_HAVE_X86
     const size_t extra = amx ? shmkv_amx_scratch(it->nrows * G, d, a->hkv)
-                       : gemm ? shmkv_att_gemm_scratch(it->nrows * G, d) : 0;
+                       : gemm ? shmkv_att_gemm_scratch(it->nrows * G, d)
+                       : dot ? shmkv_dot_scratch(nqv, d) : 0;
 #else
     const size_t extra = gemm ? shmkv_att_gemm_scratch(it->nrows * G, d) : 0;
 #endif
@@ -622,8 +673,10 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
 #if SHMKV_HAVE_X86
     const int rc = amx ? shmkv_att_item_amx(a, it, qf, acc, nqv, s + base)
                  : gemm ? shmkv_att_gemm(a, it, qf, acc, nqv, s + base)
+                 : dot ? shmkv_att_dot(a, it, qf, acc, nqv, s + base)
                        : shmkv_att_fn(a, it, qf, acc, nqv);
 #else
+    (void)dot;
     const int rc = gemm ? shmkv_att_gemm(a, it, qf, acc, nqv, s + base)
                         : shmkv_att_fn(a, it, qf, acc, nqv);
 #endif
@@ -786,6 +839,14 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     shmkv_att_fn = shmkv_att_pick(a->d);
     shmkv_att_gemm = shmkv_att_pick_gemm(a->d, &shmkv_att_gemm_scratch);
     shmkv_att_isa_now = shmkv_attn_isa();
+    shmkv_att_dot = shmkv_att_pick_dot(a);
+#if SHMKV_HAVE_X86
+    /* the opt-in mode's prefill rows on vdpbf16ps where the FMA GEMM item would run */
+    if (shmkv_att_gemm != NULL && shmkv_att_dot == shmkv_att_item_dpbf16) {
+        shmkv_att_gemm = shmkv_att_item_gemm_dpbf16;
+        shmkv_att_gemm_scratch = shmkv_dg_scratch;
+    }
+#endif
     /* query rows per item; eight times as many on the GEMM items and the tiles (a step's
      * K/V rows, read and converted once, serve more query vectors: a 4k float32 context is
      * 4 MiB per kv head, read once per item; 512 rows into 4k took 1.3x the time with 32

@@ -32,6 +32,9 @@ enum { SHMKV_ATT_F32 = 0, SHMKV_ATT_F16 = 1, SHMKV_ATT_BF16 = 2,
        SHMKV_ATT_E4M3 = 4 };    /* float8 e4m3fn codes, a float32 scale per kv head */
 enum { SHMKV_ISA_SCALAR = 0, SHMKV_ISA_AVX2 = 1, SHMKV_ISA_AVX512 = 2,
        SHMKV_ISA_AMX = 3 };     /* AVX-512 + prefill items on AMX-BF16 tiles */
+enum { SHMKV_PREC_FP32 = 0,    /* the default: q, K, V, weights as given; fp32 products */
+       SHMKV_PREC_BF16 = 1 };   /* opt-in: q (times the scale) and the softmax weights rounded
+                                   to bf16 once; the CPU's bf16 / int8 dot instructions */
 enum { SHMKV_ATT_OK = 0, SHMKV_ATT_ECORRUPT = 1, SHMKV_ATT_ENOMEM = 2, SHMKV_ATT_EARG = 3 };
 
 typedef struct {
@@ -53,6 +56,7 @@ typedef struct {
     int q_dtype;                    /* SHMKV_ATT_F32 / F16 / BF16 */
     float *out;                     /* [rows][hq][d] float32 */
     float scale;
+    int precision;                  /* SHMKV_PREC_FP32 / BF16 */
 } shmkv_attn_args_t;
 
 /* The whole call.  Returns SHMKV_ATT_OK, ECORRUPT (a block id out of range; *bad_seq is the
@@ -67,6 +71,12 @@ int shmkv_attn_force_isa(int isa);     /* -1 = back to the best; returns 0, or -
 /* 1: prefill rows on the row item only (the path before the GEMM item; for tests and
  * benchmarks), 0: the GEMM item where it applies (the default) */
 int shmkv_attn_force_rows(int on);
+/* The dot-product instructions the opt-in bf16 mode uses on this CPU, under the ISA in use:
+ * bit 1 AVX512_BF16 (bfloat16 pools), bit 2 AVX512_VNNI (int8 pools); 0 = the FMA paths. */
+int shmkv_attn_dot_isa(void);
+/* 0: the opt-in mode on the FMA paths even where the CPU has the dot instructions (tests,
+ * benchmarks); 1: the default, the instructions where the CPU has them */
+int shmkv_attn_force_dots(int on);
 /* Test hook: the work items the kernel would make for these sequences (wide: the GEMM
  * items or the tiles in use): rows per item, keys per chunk (UINT64_MAX: not split). */
 int shmkv_attn_plan(const uint32_t *q_lens, const uint32_t *seq_lens, uint32_t nseq,

@@ -185,6 +185,7 @@ static int FN(shmkv_att_item_gemm)(const shmkv_attn_args_t *a, const shmkv_item_
     const float *krow[SHMKV_GTK], *vrow[SHMKV_GTK];
     size_t slot[2][SHMKV_GTK];
     const float lg2e = 1.44269504088896f;
+    const int bf = a->precision == SHMKV_PREC_BF16;
 
     for (uint32_t v = 0; v < nq; v++) {
         const uint32_t r = v < nqh ? v / G : it->nrows - 1;   /* padding: the last row */
@@ -202,7 +203,10 @@ static int FN(shmkv_att_item_gemm)(const shmkv_attn_args_t *a, const shmkv_item_
                     continue;
                 }
                 const float *q = qf + ((size_t)h * nqh + v) * d;
-                for (uint32_t x = 0; x < d; x++) dst[(size_t)x * GQB] = q[x] * lg2e;
+                if (bf)             /* the opt-in bf16 mode: products of bf16 q */
+                    for (uint32_t x = 0; x < d; x++) dst[(size_t)x * GQB] = shmkv_round_bf16(q[x] * lg2e);
+                else
+                    for (uint32_t x = 0; x < d; x++) dst[(size_t)x * GQB] = q[x] * lg2e;
             }
         for (uint32_t v = 0; v < nq; v++) { m[v] = -INFINITY; l[v] = 0; }
         memset(O, 0, (size_t)nq * d * sizeof(float));
@@ -277,7 +281,8 @@ static int FN(shmkv_att_item_gemm)(const shmkv_attn_args_t *a, const shmkv_item_
                     const VEC mu = VLIVE(mn, mn);
                     VEC sum = VZERO();
                     for (uint32_t jj = 0; jj < nt; jj++) {
-                        const VEC p = FN(gexp2)(VSUB(VLOADF(st + (size_t)jj * GQB + n * W), mu));
+                        VEC p = FN(gexp2)(VSUB(VLOADF(st + (size_t)jj * GQB + n * W), mu));
+                        if (bf) p = FN(rbf)(p);
                         VSTOREF(st + (size_t)jj * GQB + n * W, p);
                         sum = VADD(sum, p);
                     }

@@ -179,6 +179,41 @@ SHMKV_AI float FN(vexpsub)(float *s, float mx) {
 }
 #endif
 
+/* ---- the opt-in bf16 mode (precision="bf16"): operands rounded to bf16, kept as float32 */
+#if SHMKV_ISA_PASS == 2
+/* round to nearest even at bit 16; a NaN stays a (quiet) NaN */
+SHMKV_AI VEC FN(rbf)(VEC x) {
+    const __m512i b = _mm512_castps_si512(x);
+    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+        _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                              _mm512_or_si512(b, _mm512_set1_epi32(0x00400000)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+#elif SHMKV_ISA_PASS == 1
+SHMKV_AI VEC FN(rbf)(VEC x) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+        _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))));
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256 q = _mm256_castsi256_ps(_mm256_or_si256(b, _mm256_set1_epi32(0x00400000)));
+    return _mm256_and_ps(_mm256_blendv_ps(_mm256_castsi256_ps(r), q, nan),
+                         _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)));
+}
+#else
+SHMKV_AI VEC FN(rbf)(VEC x) { return shmkv_round_bf16(x); }
+#endif
+/* the tile's TILE weights rounded to bf16 in place; returns the sum of the rounded */
+SHMKV_AI float FN(round_tile)(float *s) {
+    float sum = 0;
+    for (int i = 0; i < TILE; i += W) {
+        const VEC v = FN(rbf)(VLOADF(s + i));
+        VSTOREF(s + i, v);
+        sum += VHSUM(v);
+    }
+    return sum;
+}
+
 /* Register blocking, per pass: KB keys at a time in the scores (each q chunk loaded once
  * for KB keys: KB * NG accumulators), CC vector chunks of d at a time in the V pass (each
  * probability broadcast once for CC chunks: NG * CC accumulators, which stay in registers
@@ -354,8 +389,8 @@ static void FN(vacc)(float *acc, uint32_t ng, const float *alpha, const float *p
  * TILE keys, every kv head is done in turn, so the item walks the pools in address order
  * (one block's K rows for all heads are contiguous).  acc [nqv][d] is followed by m [nqv]
  * and l [nqv].  Returns 0, or -1 on a corrupt block id. */
-static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf,
-                              float *acc, uint32_t nqv) {
+SHMKV_AI int FN(att_item_body)(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf,
+                               float *acc, uint32_t nqv, const int bf) {
     const uint32_t d = a->d, G = a->hq / a->hkv, nqh = it->nrows * G;
     const int dt = a->kv_dtype;
     float *m = acc + (size_t)nqv * d, *l = m + nqv;
@@ -436,7 +471,12 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
                     }
                     const float mn = m[v] > mt ? m[v] : mt;
                     alpha[g] = m[v] == -INFINITY ? 0.0f : m[v] == mn ? 1.0f : expf(m[v] - mn);
-                    l[v] = l[v] * alpha[g] + FN(vexpsub)(sg, mn);
+                    if (bf) {                                   /* weights rounded to bf16 */
+                        FN(vexpsub)(sg, mn);
+                        l[v] = l[v] * alpha[g] + FN(round_tile)(sg);
+                    } else {
+                        l[v] = l[v] * alpha[g] + FN(vexpsub)(sg, mn);
+                    }
                     m[v] = mn;
                     any = 1;
                 }
@@ -449,6 +489,13 @@ static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it
     }
     return 0;
 #undef SHMKV_TILE_ROWS
+}
+/* the item, compiled twice: the default (bf a constant 0: the code as it was, bit for bit)
+ * and the opt-in bf16 mode's (the weights rounded) */
+static int FN(shmkv_att_item)(const shmkv_attn_args_t *a, const shmkv_item_t *it, float *qf,
+                              float *acc, uint32_t nqv) {
+    return a->precision == SHMKV_PREC_BF16 ? FN(att_item_body)(a, it, qf, acc, nqv, 1)
+                                           : FN(att_item_body)(a, it, qf, acc, nqv, 0);
 }
 
 #include "attention_gemm.h"
