@@ -42,7 +42,7 @@ CASES = [
 THREADS = (1, 2)
 
 
-def run_case(case, threads, name_tag="golden"):
+def run_case(case, threads, name_tag="golden", precision=None):
     """The output of one case on `threads` threads, on the ISA path forced now."""
     name, dtype, hkv, hq, d, bs, lengths, q_lens, qdt = case
     rng = np.random.default_rng(_seed(name))
@@ -66,7 +66,8 @@ def run_case(case, threads, name_tag="golden"):
         before = _attention.get_num_threads()
         _attention.set_num_threads(threads)
         try:
-            return cache.attention(0, q, sids, q_lens=q_lens)
+            kw = {} if precision is None else {"precision": precision}
+            return cache.attention(0, q, sids, q_lens=q_lens, **kw)
         finally:
             _attention.set_num_threads(before)
     finally:

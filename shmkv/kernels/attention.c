@@ -137,7 +137,9 @@ static inline int shmkv_att_slots(const shmkv_attn_args_t *a, const int32_t *tab
 /* Prefill rows go to the AMX tiles under this ISA (every pool dtype: quantized pools' codes
  * are exact in bf16; head_dim a multiple of 32); the item then needs nrows > 1 as well. */
 static inline int shmkv_att_tiles(const shmkv_attn_args_t *a, int isa) {
-    return isa >= SHMKV_ISA_AMX && a->d % 32 == 0;
+    /* the opt-in bf16 mode runs on AVX512_BF16 instead: its q is q * scale rounded, the
+     * tiles take q as given and scale the scores (see attention_dot.h) */
+    return isa >= SHMKV_ISA_AMX && a->d % 32 == 0 && a->precision != SHMKV_PREC_BF16;
 }
 
 /* Offset, in elements, of query/output vector (row r, kv head h, group member g) of an item,

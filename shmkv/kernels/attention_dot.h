@@ -483,7 +483,7 @@ static size_t shmkv_dg_scratch(uint32_t nqh, uint32_t d) {
 
 /* The prefill item for bfloat16 pools on vdpbf16ps (d a multiple of 32); the contract of
  * shmkv_att_item_gemm_*, xs shmkv_dg_scratch floats, 64-byte aligned.  qf: q times the
- * scale, rounded to bf16 (load_q); here times log2(e) and rounded again. */
+ * scale, rounded to bf16 (load_q); the scores are taken to log2 units (times log2(e)). */
 SHMKV_DOT_TGT static int shmkv_att_item_gemm_dpbf16(const shmkv_attn_args_t *a, const shmkv_item_t *it,
                                                     float *qf, float *acc, uint32_t nqv, float *xs) {
     const uint32_t d = a->d, G = a->hq / a->hkv, nqh = it->nrows * G;
@@ -519,11 +519,9 @@ SHMKV_DOT_TGT static int shmkv_att_item_gemm_dpbf16(const shmkv_attn_args_t *a, 
                 const float *q = qf + ((size_t)h * nqh + (v < nqh ? v : 0)) * d;
                 for (uint32_t x = 0; x < d / 2; x++) {
                     uint32_t lo = 0, hi = 0;
-                    if (v < nqh) {
-                        const float f0 = shmkv_round_bf16(q[2 * x] * lg2e);
-                        const float f1 = shmkv_round_bf16(q[2 * x + 1] * lg2e);
-                        memcpy(&lo, &f0, 4);
-                        memcpy(&hi, &f1, 4);
+                    if (v < nqh) {                  /* exact: q is bf16 already */
+                        memcpy(&lo, q + 2 * x, 4);
+                        memcpy(&hi, q + 2 * x + 1, 4);
                     }
                     dst[(size_t)x * SHMKV_DG_QB] = (hi & 0xffff0000u) | (lo >> 16);
                 }
@@ -575,12 +573,12 @@ SHMKV_DOT_TGT static int shmkv_att_item_gemm_dpbf16(const shmkv_attn_args_t *a, 
                     const __m512i limv = _mm512_loadu_si512(lim + c0);
                     __m512 mt = _mm512_set1_ps(-INFINITY);
                     for (uint32_t jj = 0; jj < nt; jj++) {
-                        __m512 sv = _mm512_loadu_ps(st + (size_t)jj * SHMKV_DG_QB + n * 16);
-                        if (!full) {
+                        __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(st + (size_t)jj * SHMKV_DG_QB + n * 16),
+                                                  _mm512_set1_ps(lg2e));     /* log2 units */
+                        if (!full)
                             sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
                                 _mm512_cmpgt_epi32_mask(limv, _mm512_set1_epi32((int)(ts + jj))), sv);
-                            _mm512_storeu_ps(st + (size_t)jj * SHMKV_DG_QB + n * 16, sv);
-                        }
+                        _mm512_storeu_ps(st + (size_t)jj * SHMKV_DG_QB + n * 16, sv);
                         mt = _mm512_max_ps(mt, sv);
                     }
                     const __m512 mo = _mm512_loadu_ps(m + c0), mn = _mm512_max_ps(mt, mo);

@@ -203,8 +203,8 @@ static int FN(shmkv_att_item_gemm)(const shmkv_attn_args_t *a, const shmkv_item_
                     continue;
                 }
                 const float *q = qf + ((size_t)h * nqh + v) * d;
-                if (bf)             /* the opt-in bf16 mode: products of bf16 q */
-                    for (uint32_t x = 0; x < d; x++) dst[(size_t)x * GQB] = shmkv_round_bf16(q[x] * lg2e);
+                if (bf)     /* the opt-in bf16 mode: q as rounded (load_q); log2(e) on S */
+                    for (uint32_t x = 0; x < d; x++) dst[(size_t)x * GQB] = q[x];
                 else
                     for (uint32_t x = 0; x < d; x++) dst[(size_t)x * GQB] = q[x] * lg2e;
             }
@@ -270,10 +270,9 @@ static int FN(shmkv_att_item_gemm)(const shmkv_attn_args_t *a, const shmkv_item_
                     VEC mt = VSET1(-INFINITY);
                     for (uint32_t jj = 0; jj < nt; jj++) {
                         VEC s = VLOADF(st + (size_t)jj * GQB + n * W);
-                        if (!full) {
-                            s = VMASKLT(s, VSET1I((int)(ts + jj)), limv);
-                            VSTOREF(st + (size_t)jj * GQB + n * W, s);
-                        }
+                        if (bf) s = VMUL(s, VSET1(lg2e));
+                        if (!full) s = VMASKLT(s, VSET1I((int)(ts + jj)), limv);
+                        if (!full || bf) VSTOREF(st + (size_t)jj * GQB + n * W, s);
                         mt = VMAX(mt, s);
                     }
                     const VEC mo = VLOADF(m + c0), mn = VMAX(mt, mo);
