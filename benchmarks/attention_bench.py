@@ -456,9 +456,10 @@ def peer_section(peer):
             "The same shapes and the same K/V in vLLM 0.32's own CPU cache layout (block 128, "
             "written by its `cpu_attn_reshape_and_cache`), its `cpu_attention_with_kv_cache` "
             "with the ISA its backend picks per dtype (`vec`, or `amx` for bfloat16 on AMX "
-            "machines); shmkv, torch SDPA (contiguous K/V, no gather) and the read floor "
-            "measured again in that process, interleaved round by round; both outputs "
-            "checked against float64 first (last column).\n\n"
+            "machines); shmkv (the default, and the opt-in `precision=\"bf16\"`), torch SDPA "
+            "(contiguous K/V, no gather) and the read floor measured again in that process, "
+            "interleaved round by round; every output checked against float64 first (last "
+            "column).\n\n"
             f"{peer['head']}\n{peer['table']}\n\nLoad average after: "
             f"{peer['load_after']:.2f}.\n")
 
