@@ -167,6 +167,52 @@ def test_half_precision_pool(make_kv, dtype, tol):
     settled(kv)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bf16_precision_matches_dynamic_cache(make_kv, dtype):
+    """ShmkvCache(precision="bf16"): the kernel's opt-in mode inside the model -- per-step
+    logits (teacher-forced on DynamicCache's greedy tokens) within the half-precision bound
+    of DynamicCache's; the mode reaches the kernel (its logits differ from the default's);
+    in float32 the same greedy tokens."""
+    m = make_model(dtype=dtype, attn="shmkv")
+    kv = make_kv(m)
+    ids = prompts(2, 10, seed=8)
+    ref = m.generate(ids, past_key_values=DynamicCache(), max_new_tokens=6, **GREEDY)
+    seq = ref.sequences                       # every cache is fed these tokens (teacher forcing)
+
+    def forced(past):
+        """The logits of each step: the prompt's prefill, then one token at a time."""
+        with torch.no_grad():
+            out = [m(seq[:, :10], past_key_values=past, use_cache=True).logits[:, -1]]
+            for t in range(10, seq.shape[1] - 1):
+                out.append(m(seq[:, t:t + 1], past_key_values=past, use_cache=True).logits[:, -1])
+        return torch.stack(out).float()
+
+    base = forced(DynamicCache())
+    with paged_only():
+        with ShmkvCache(kv, precision="bf16") as past:
+            assert past.precision == "bf16"
+            opt = forced(past)
+        with ShmkvCache(kv) as past:
+            assert past.precision == "fp32"
+            exact = forced(past)
+    scale = float(base.abs().max())
+    assert float((opt - base).abs().max()) / scale < 5e-2
+    assert float((exact - opt).abs().max()) > 0          # the opt-in really ran
+    if dtype == torch.float32:                            # no near-ties to flip in fp32 here
+        with ShmkvCache(kv, precision="bf16") as past:
+            out = m.generate(ids, past_key_values=past, max_new_tokens=6, **GREEDY)
+        assert torch.equal(out.sequences, ref.sequences)
+    settled(kv)
+
+
+@pytest.mark.parametrize("bad, exc", [("bfloat16", ValueError), (16, TypeError)])
+def test_bad_precision_is_refused_before_anything_is_taken(model, make_kv, bad, exc):
+    kv = make_kv(model)
+    with pytest.raises(exc, match="precision"):
+        ShmkvCache(kv, prompt_ids=prompts(1, 9), precision=bad)
+    settled(kv)
+
+
 # ---- padding -------------------------------------------------------------------------------
 @pytest.mark.parametrize("attn", ["shmkv", "sdpa"])
 def test_left_padding_matches(model, make_kv, attn):

@@ -83,7 +83,7 @@ def shmkv_attention_forward(module, query: torch.Tensor, key: torch.Tensor,
         qq = qq.cpu()
     out = torch.empty((B * q, Hq, D), dtype=torch.float32)
     cache.kv.attention(layer, _np(qq), cache._rows, q_lens=None if q == 1 else [q] * B,
-                       scale=scaling, out=out.numpy())
+                       scale=scaling, out=out.numpy(), precision=cache.precision)
     out = out.view(B, q, Hq, D)
     if out.dtype != query.dtype or out.device != query.device:
         out = out.to(device=query.device, dtype=query.dtype)

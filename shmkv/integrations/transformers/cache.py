@@ -252,6 +252,11 @@ class ShmkvCache(Cache):
         are learnt from the model's forwards, so every block they fill is published.
         Without it the cache binds the model on its first forward by itself (that forward's
         ids are then known only through ``prompt_ids``).
+    precision : {"fp32", "bf16"}
+        What ``attn_implementation="shmkv"`` asks the kernel for (``KVCache.attention``'s
+        ``precision``): ``"fp32"``, the default, or the opt-in ``"bf16"`` (q and the softmax
+        weights rounded to bf16, the CPU's bf16 / int8 dot instructions).  The K/V stored
+        are the same either way; ``"sdpa"`` and ``"eager"`` ignore it.
 
     Notes
     -----
@@ -264,7 +269,14 @@ class ShmkvCache(Cache):
     is_compileable = False
 
     def __init__(self, kv, *, prompt_ids=None, salt=None,
-                 sequence_ids: Optional[Sequence[int]] = None, model=None):
+                 sequence_ids: Optional[Sequence[int]] = None, model=None,
+                 precision: str = "fp32"):
+        if not isinstance(precision, str):
+            raise TypeError(f"precision: expected str, got {type(precision).__name__}")
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision: expected one of ('fp32', 'bf16'), got {precision!r}")
+        #: the kernel's precision under attn_implementation="shmkv"
+        self.precision = precision
         cfg = kv.config
         self.kv = kv
         self._cfg = cfg
