@@ -22,7 +22,8 @@ teacher forcing, in 128-token chunks, once per KV store:
 Reported per store: perplexity (exp of the mean negative log-likelihood of tokens 2..N) and
 its change against the baseline, top-1 agreement (positions whose argmax equals the
 baseline's), and the mean |log p difference| per token.  Targets (issue 19): int8 <= +0.5%
-perplexity, float8 <= +2.5%.
+perplexity, float8 <= +2.5%; the kernel's opt-in ``precision="bf16"`` (issue 35) within +0.1%
+of the same pool's default.
 """
 from __future__ import annotations
 
@@ -49,7 +50,12 @@ STORES = (("float32", "float32", None, 1.0),
           ("float8_e4m3, scales 1.0", "float8_e4m3", "one", 1.0),
           ("float8_e4m3, amax/448", "float8_e4m3", "amax", 1.0),
           ("float8_e4m3, 2 amax/448", "float8_e4m3", "amax", 2.0),
-          ("float8_e4m3, mse", "float8_e4m3", "mse", 1.0))
+          ("float8_e4m3, mse", "float8_e4m3", "mse", 1.0),
+          # the kernel's opt-in reduced precision (issue 35): worth offering only if it
+          # keeps perplexity within +0.1% of the same pool's default
+          ("float32, precision bf16", "float32", None, 1.0, "bf16"),
+          ("bfloat16, precision bf16", "bfloat16", None, 1.0, "bf16"),
+          ("int8, precision bf16", "int8", None, 1.0, "bf16"))
 #: the control: amax/448 times 2**u, u uniform in [0, 1) per (layer, head, K or V), seeded.
 #: Inside e4m3's range a scale moves values only along the code grid (same relative step),
 #: so these runs show how much perplexity moves by the grid's phase alone
@@ -97,7 +103,7 @@ def new_pool(model, dtype, n):
     return shmkv.KVCache.create(f"shmkv-qacc-{os.getpid()}-{uuid.uuid4().hex[:8]}", cfg)
 
 
-def run(n_tokens, sdpa_check=True):
+def run(n_tokens, sdpa_check=True, only=()):
     from transformers import DynamicCache
 
     from shmkv.integrations.transformers import ShmkvCache, calibrate_kv_scales
@@ -113,7 +119,10 @@ def run(n_tokens, sdpa_check=True):
     rows = []
     stores = STORES + tuple((f"float8_e4m3, amax/448 · 2^u (seed {i})", "float8_e4m3",
                              "phase", float(i)) for i in PHASE_SEEDS)
-    for label, dt, rule, margin in stores:
+    if only:
+        stores = tuple(st for st in stores if st[0] in only)
+    for label, dt, rule, margin, *prec in stores:
+        prec = prec[0] if prec else "fp32"
         kv = new_pool(model, dt, n_tokens)
         try:
             scales = None
@@ -130,9 +139,9 @@ def run(n_tokens, sdpa_check=True):
                 scales = {"k_min": float(ks.min()), "k_max": float(ks.max()),
                           "v_min": float(vs.min()), "v_max": float(vs.max())}
             row = {"store": label, "dtype": dt, "rule": rule, "margin": margin,
-                   "scales": scales}
+                   "scales": scales, "precision": prec}
             for attn in ("shmkv", "sdpa") if sdpa_check and rule != "phase" else ("shmkv",):
-                with ShmkvCache(kv) as past:
+                with ShmkvCache(kv, precision=prec) as past:
                     m = metrics(score(model, ids, past, attn), ids, base)
                 row[attn] = {k: m[k] for k in ("ppl", "ppl_change", "top1", "mean_abs_dlogp")}
                 if attn == "shmkv":
@@ -153,10 +162,18 @@ def run(n_tokens, sdpa_check=True):
             "rows": rows}
 
 
-def target(row):
+def target(row, rows=()):
     if row["rule"] == "phase":
         return "(control)"
     c = row["shmkv"]["ppl_change"]
+    if row.get("precision", "fp32") != "fp32":     # against the same pool's default
+        same = [r for r in rows if r["dtype"] == row["dtype"] and r["rule"] is None
+                and r.get("precision", "fp32") == "fp32"]
+        if not same:
+            return ""
+        d = (1 + c) / (1 + same[0]["shmkv"]["ppl_change"]) - 1
+        return f"≤ +0.1% vs {row['dtype']}'s default ({d:+.3%}): " + \
+            ("PASS" if d <= 0.001 else "FAIL")
     if row["dtype"] == "int8":
         return "≤ +0.5%: " + ("PASS" if c <= 0.005 else "FAIL")
     if row["dtype"] == "float8_e4m3":
@@ -192,7 +209,8 @@ def render(res, meta):
         s, d = r["shmkv"], r.get("sdpa")
         sd = (f"{d['ppl']:.4f} | {d['top1']:.2%}" if d else "– | –")
         out.append(f"| {r['store']} | {s['ppl']:.4f} | {s['ppl_change']:+.2%} | "
-                   f"{s['top1']:.2%} | {s['mean_abs_dlogp']:.4f} | {sd} | {target(r)} |")
+                   f"{s['top1']:.2%} | {s['mean_abs_dlogp']:.4f} | {sd} | "
+                   f"{target(r, res['rows'])} |")
     return "\n".join(out) + f"\n<!-- /{MARK} -->\n"
 
 
@@ -220,20 +238,23 @@ def main(argv=None):
                     "nothing written but the JSON")
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--stores", default="", help="only these stores (labels separated by ';', e.g. "
+                    "'bfloat16;bfloat16, precision bf16'); nothing written but the JSON")
     ap.add_argument("--json", default=os.path.join(HERE, "out", "quant_accuracy.json"))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     import shmkv
     shmkv.set_num_threads(a.threads)
     meta = {"load_start": os.getloadavg(), "isa": shmkv._attention.isa()}
-    res = run(a.tokens or (512 if a.quick else 2048), sdpa_check=not a.quick)
+    only = tuple(x.strip() for x in a.stores.split(";")) if a.stores else ()
+    res = run(a.tokens or (512 if a.quick else 2048), sdpa_check=not a.quick, only=only)
     meta["load_end"] = os.getloadavg()
     md = render(res, meta)
     print(md)
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(dict(results=res, meta=meta, table=md), f, indent=1)
-    if not a.quick:
+    if not a.quick and not only:
         splice(os.path.join(HERE, "RESULTS_quant.md"), md, "### Accuracy on real activations")
         # RESULTS.md carries RESULTS_quant.md between its quant-bench markers (report.py)
         splice(os.path.join(HERE, "RESULTS.md"), md, "### Accuracy on real activations")
