@@ -37,7 +37,7 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 BS = 16
 
 
-def load_model(real):
+def load_model(real, dtype="float32"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,11 +45,20 @@ def load_model(real):
     if real:
         from shmkv.models import load_smollm2  # type: ignore[import-not-found]
         _, m = load_smollm2(attn="shmkv")
-        return m.eval(), "SmolLM2-135M-Instruct (real weights)"
+        return m.to(getattr(torch, dtype)).eval(), f"SmolLM2-135M-Instruct (real weights, {dtype})"
     torch.manual_seed(0)
-    m = LlamaForCausalLM._from_config(LlamaConfig(**SMOLLM2), dtype=torch.float32,
+    m = LlamaForCausalLM._from_config(LlamaConfig(**SMOLLM2), dtype=getattr(torch, dtype),
                                       attn_implementation="shmkv")
-    return m.eval(), "SmolLM2-135M shape, seeded weights"
+    return m.eval(), f"SmolLM2-135M shape, seeded weights, {dtype}"
+
+
+def as_np(t, cfg):
+    """A CPU tensor's values as an array of the pool's dtype (bfloat16 through its bits)."""
+    import torch
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16 and cfg.dtype == "bfloat16":
+        return t.view(torch.int16).numpy().view(cfg.numpy_dtype)
+    return t.float().numpy().astype(cfg.numpy_dtype)
 
 
 def median(xs):
@@ -57,7 +66,7 @@ def median(xs):
     return xs[len(xs) // 2]
 
 
-def run(model, batch, ctx, steps):
+def run(model, batch, ctx, steps, precision="fp32"):
     import numpy as np
     import torch
     from transformers import DynamicCache
@@ -68,24 +77,25 @@ def run(model, batch, ctx, steps):
     c = model.config
     L, H, D, Hq = c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.num_attention_heads
     cfg = config_for(c, num_blocks=batch * (ctx + steps + 8 + BS) // BS + 64, block_size=BS,
-                     max_seqs=batch + 4)
+                     max_seqs=batch + 4, dtype=str(model.dtype).removeprefix("torch."))
     kv = shmkv.KVCache.create(f"shmkv-bench-model-{os.getpid()}-{uuid.uuid4().hex[:8]}", cfg)
     g = torch.Generator().manual_seed(ctx + batch)
     try:
         sids = []
         dc = DynamicCache()
+        tdt = model.dtype
         for layer_chunk in range(L):            # one layer at a time: bounded memory
-            k = torch.randn(batch, ctx, H, D, generator=g)
-            v = torch.randn(batch, ctx, H, D, generator=g)
+            k = torch.randn(batch, ctx, H, D, generator=g).to(tdt)
+            v = torch.randn(batch, ctx, H, D, generator=g).to(tdt)
             dc.update(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), layer_chunk)
         for b in range(batch):                  # the same K/V into the pools
             s = kv.create_sequence()
-            kk = np.stack([dc.layers[i].keys[b].transpose(0, 1).numpy() for i in range(L)])
-            vv = np.stack([dc.layers[i].values[b].transpose(0, 1).numpy() for i in range(L)])
+            kk = np.stack([as_np(dc.layers[i].keys[b].transpose(0, 1), cfg) for i in range(L)])
+            vv = np.stack([as_np(dc.layers[i].values[b].transpose(0, 1), cfg) for i in range(L)])
             kv.append(s, np.ascontiguousarray(kk), np.ascontiguousarray(vv))
             sids.append(s)
         tok = torch.randint(0, c.vocab_size, (batch, 1), generator=g)
-        past = ShmkvCache(kv, sequence_ids=list(sids))
+        past = ShmkvCache(kv, sequence_ids=list(sids), precision=precision)
         inside = []
         real_attention = kv.attention
 
@@ -112,7 +122,7 @@ def run(model, batch, ctx, steps):
                 time.sleep(0.02)               # torch's threads asleep: the kernel alone
                 for layer in range(0, L, 3):   # the same call shape, one layer at a time
                     a0 = time.perf_counter_ns()
-                    real_attention(layer, q, sids, out=out)
+                    real_attention(layer, q, sids, out=out, precision=precision)
                     a1 = time.perf_counter_ns()
                     if i >= 2:
                         alone.append(a1 - a0)
@@ -144,6 +154,10 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--context", type=int, nargs="*", default=None)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the model's dtype, and so the pool's")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="ShmkvCache(precision=...): the kernel's mode")
     args = ap.parse_args(argv)
     if args.pool == "own":
         os.environ["SHMKV_ATTN_POOL"] = "own"
@@ -152,16 +166,17 @@ def main(argv=None):
 
     import shmkv
     from shmkv import _attention
-    model, what = load_model(args.real)
+    model, what = load_model(args.real, args.dtype)
     ctxs = args.context or ([1024] if args.quick else [4096])
     steps = args.steps or (6 if args.quick else 15)
     print(f"# {what}; torch {torch.__version__} on {torch.get_num_threads()} threads, "
           f"transformers {transformers.__version__}; shmkv kernel on "
           f"{shmkv.get_num_threads()} threads, pool {_attention.pool()!r}, ISA "
-          f"{_attention.isa()} (CPU: {_attention.cpu_isa()}); {os.cpu_count()} CPUs; "
+          f"{_attention.isa()} (CPU: {_attention.cpu_isa()}), precision {args.precision!r} "
+          f"(dot instructions: {_attention.dot_isa()}); {os.cpu_count()} CPUs; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     for ctx in ctxs:
-        r = run(model, args.batch, ctx, steps)
+        r = run(model, args.batch, ctx, steps, args.precision)
         print(f"| {r['batch']} x {ctx // 1024}k | {_attention.pool()} | {r['alone_ms']:.2f} ms | "
               f"{r['inside_ms']:.2f} ms | {r['share_ratio']:.2f}x | {r['step_shmkv_ms']:.1f} ms | "
               f"{r['step_dynamic_ms']:.1f} ms | {r['step_ratio']:.2f}x | "
