@@ -21,7 +21,6 @@ import pytest
 from attn_golden import CASES, RECORDED_ISAS, THREADS, digest, run_case
 from conftest import ISAS
 
-import shmkv
 from shmkv import _attention
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "attention_default.json")
@@ -121,8 +120,12 @@ SHAPES = [
 ]
 
 
+def _shape_id(s):
+    return f"d{s[2]}-{'decode' if s[4] is None else 'prefill'}-{s[0]}x{s[1]}"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "float8_e4m3"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s[2]}-{'decode' if s[4] is None else 'prefill'}-{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_bf16_mode_bounds(make_cache, isa, dtype, shape):
     hkv, hq, d, lengths, q_lens = shape
     cache = make_cache(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype,

@@ -179,6 +179,8 @@ def attention(cache: shmkv.KVCache) -> None:
     buf = np.empty_like(qp)
     res = cache.attention(0, qp, [sid], q_lens=[3], scale=0.5, out=buf)
     assert res is buf
+    fast: npt.NDArray[np.float32] = cache.attention(0, q, [sid], precision="bf16")
+    assert fast.shape == q.shape
     shmkv.set_num_threads(0)
     cache.free(sid)
 
