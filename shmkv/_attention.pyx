@@ -73,6 +73,7 @@ cdef extern from "kernels/attention.h" nogil:
     int shmkv_attn_plan(const uint32_t *q_lens, const uint32_t *seq_lens, uint32_t nseq,
                         uint32_t group, int wide, int threads, uint32_t *rt, uint64_t *chunk)
     const char *shmkv_attn_pool()
+    const char *shmkv_attn_build()
     double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink)
     double shmkv_bench_fma(uint64_t n, int threads, double *sink)
 
@@ -148,6 +149,12 @@ def dot_isa():
     if len(names) == 2:
         return "avx512_bf16+vnni"
     return names[0] if names else "fma"
+
+
+def _build():
+    """The compiler that built the kernel, and whether it optimised (what the default
+    mode's recorded digests belong to)."""
+    return shmkv_attn_build().decode()
 
 
 def _force_dots(on):

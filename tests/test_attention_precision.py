@@ -30,9 +30,16 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "data", "attention_default.json
 @pytest.mark.parametrize("isa_name", [i for i in RECORDED_ISAS if i in ISAS])
 def test_default_mode_is_bit_for_bit_what_it_was(isa_name):
     """Every case's output hashes as the kernel before the opt-in gave it (the digests were
-    recorded from that build, commit f0959ef), on each path this CPU runs."""
+    recorded from that source, commit f0959ef, built as the wheel is), on each path this
+    CPU runs."""
     with open(GOLDEN) as f:
-        want = json.load(f)[isa_name]
+        rec = json.load(f)
+    if _attention._build() != rec["build"]:
+        # the sanitizer (clang) and -O0 builds order and contract float operations
+        # otherwise; `make test` runs the production build, where this check applies
+        pytest.skip(f"digests recorded for a {rec['build']!r} build, this is "
+                    f"{_attention._build()!r}")
+    want = rec["digests"][isa_name]
     before = _attention.isa()
     _attention._force_isa(isa_name)
     try:

@@ -910,6 +910,24 @@ out:
     return st;
 }
 
+/* ---- the build ------------------------------------------------------------------------
+ * The compiler and whether it optimised: what the default mode's recorded result digests
+ * (tests/data/attention_default.json) belong to -- another compiler, or -O0, may contract
+ * and order float operations differently. */
+#if defined(__clang__)
+#define SHMKV_CC "clang " __clang_version__
+#elif defined(__GNUC__)
+#define SHMKV_CC "gcc " __VERSION__
+#else
+#define SHMKV_CC "cc"
+#endif
+#if defined(__OPTIMIZE__)
+#define SHMKV_OPT ", optimised"
+#else
+#define SHMKV_OPT ", -O0"
+#endif
+const char *shmkv_attn_build(void) { return SHMKV_CC SHMKV_OPT; }
+
 /* ---- the read floor ------------------------------------------------------------------- */
 typedef struct {
     const uint8_t *buf;

@@ -86,6 +86,9 @@ int shmkv_attn_plan(const uint32_t *q_lens, const uint32_t *seq_lens, uint32_t n
  * SHMKV_ATTN_POOL=own). */
 const char *shmkv_attn_pool(void);
 
+/* The compiler that built the kernel and whether it optimised ("gcc 12.2.0, optimised"). */
+const char *shmkv_attn_build(void);
+
 /* The read floor: every byte of buf read once by `threads` threads (0 = the pool's).
  * Returns seconds; *sink receives a checksum so the reads cannot be optimised away. */
 double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink);
