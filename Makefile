@@ -159,13 +159,15 @@ chaos: install
 fuzz: install
 	$(PY) tools/fuzz_attach.py
 
-# ruff; Cython with warnings as errors; mypy --strict on a user's script over the whole
-# API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
+# ruff; the C kernels' layering (shmkv/kernels/layers.txt: no file uses what a file above
+# it defines); Cython with warnings as errors; mypy --strict on a user's script over the
+# whole API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
 STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events shmkv._vcopy
 
 lint: install
 	$(PIP) install -q ruff "mypy>=1.18"
 	$(VENV)/bin/ruff check shmkv tests benchmarks tools
+	$(PY) tools/kernel_layers.py
 	: > /tmp/shmkv-lint.log
 	for f in shmkv/*.pyx; do $(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I shmkv -o /tmp/shmkv-lint.c $$f 2>&1 | tee -a /tmp/shmkv-lint.log; done
 	! grep -qiE 'warning|performance hint|error' /tmp/shmkv-lint.log
