@@ -1,4 +1,5 @@
-"""shmkv.tier: a remote tier on Redis Cluster shared by hosts (extra ``shmkv[redis]``).
+"""shmkv.tier.redis: RedisTier, a remote tier on Redis Cluster shared by hosts (extra
+``shmkv[redis]``); imported from ``shmkv.tier`` (or ``shmkv.RedisTier``).
 
 ::
 
