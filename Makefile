@@ -9,7 +9,7 @@ BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all install model demo test test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
+.PHONY: all install model demo test micro test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
 	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage \
 	test-compat dist-check docs
 .PHONY: demo-serve
@@ -153,19 +153,34 @@ bench-quick: install bench-deps
 	$(PY) benchmarks/attention_bench.py --quick
 	$(PY) benchmarks/transformers_bench.py --quick
 
+# The C microbenchmarks behind RESULTS_attention_21.md (benchmarks/micro/*.c), built into
+# benchmarks/out/micro/.  Each asks for its ISA itself (target attributes, or the flags
+# below), so all compile on any x86-64 machine with gcc >= 11 (AMX intrinsics), an
+# AVX2-only one too; running one needs the CPU its header names (AVX-512, AVX512_BF16, AMX).
+MICRO_DIR := benchmarks/out/micro
+MICRO_CFLAGS := -O2 -Wall -Wno-unused-function
+MICRO_ISA_access_order := -mavx512f -mavx512bw -mf16c -mfma
+MICRO := $(patsubst benchmarks/micro/%.c,$(MICRO_DIR)/%,$(wildcard benchmarks/micro/*.c))
+micro: $(MICRO)
+$(MICRO_DIR)/%: benchmarks/micro/%.c
+	@mkdir -p $(MICRO_DIR)
+	$(CC) $(MICRO_CFLAGS) $(MICRO_ISA_$*) -o $@ $< -lpthread
+
 chaos: install
 	$(PY) tools/chaos
 
 fuzz: install
 	$(PY) tools/fuzz_attach.py
 
-# ruff; Cython with warnings as errors; mypy --strict on a user's script over the whole
-# API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
+# ruff; the C kernels' layering (shmkv/kernels/layers.txt: no file uses what a file above
+# it defines); Cython with warnings as errors; mypy --strict on a user's script over the
+# whole API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
 STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events shmkv._vcopy
 
 lint: install
 	$(PIP) install -q ruff "mypy>=1.18"
 	$(VENV)/bin/ruff check shmkv tests benchmarks tools
+	$(PY) tools/kernel_layers.py
 	: > /tmp/shmkv-lint.log
 	for f in shmkv/*.pyx; do $(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I shmkv -o /tmp/shmkv-lint.c $$f 2>&1 | tee -a /tmp/shmkv-lint.log; done
 	! grep -qiE 'warning|performance hint|error' /tmp/shmkv-lint.log

@@ -123,8 +123,10 @@ enum {
     SHMKV_EVERSION = 13,    /* incompatible layout version / ABI */
     SHMKV_EBADMAGIC = 14,   /* not a shmkv segment */
     SHMKV_ENOTOWNER = 15,   /* adopt/detach of a sequence owned by a live other process */
-    SHMKV_EDEADHOLDER = 16, /* (internal) a lock was taken over from a dead holder: what it
-                               guarded may be half-changed, a recovery pass must run */
+    SHMKV_EDEADHOLDER = 16, /* (internal) a lock's holder is dead: what it guarded may be
+                               half-changed, a recovery pass must run (kernels/ops.h runs
+                               it).  Pool and cache locks: taken over, held; a sequence
+                               lock's wait: nothing held */
 };
 
 /* ---- dtypes ------------------------------------------------------------------------ */

@@ -10,9 +10,12 @@
  * before they mutate anything.  Every index or length read from the segment is checked
  * against the trusted copy of the config in the ctx (validated once, at bind) before use.
  *
- * One file per concern, included in dependency order: primitives (base, lock, alloc)
- * below, coordinators (seq, pcache, copy, prefix, recover) above.  _layout.h owns the
- * layout.
+ * One file per concern, included bottom-up in the order of layers.txt (checked by
+ * tools/kernel_layers.py): the primitives (base .. prefix), which assume their locks are
+ * held, never take one and never recover -- a dead holder is reported as EDEADHOLDER --
+ * then the coordinators, recover.h (the recovery pass) and ops.h (the waits that
+ * recover, the process caches' slow paths, registration).  No file uses what a file
+ * above it defines.  _layout.h owns the layout.
  */
 #ifndef SHMKV_KERNELS_H
 #define SHMKV_KERNELS_H
@@ -27,6 +30,7 @@
 #include "copy.h"
 #include "prefix.h"
 #include "recover.h"
+#include "ops.h"
 #include "bench.h"
 
 #endif /* SHMKV_KERNELS_H */

@@ -1,23 +1,16 @@
 /*
  * kernels/lock.h -- the pool lock (robust mutex, spin then futex sleep) and the sequence ids and
  * per-sequence locks.  Writes: the pool lock and the sequence slots' lock words.
+ * A primitive: it takes and releases locks and reports a dead holder (EDEADHOLDER), but
+ * never repairs -- the waits that recover are ops.h's, above every primitive.
  */
 #ifndef SHMKV_KERNELS_LOCK_H
 #define SHMKV_KERNELS_LOCK_H
 
 /* ---- the pool lock --------------------------------------------------------------------- */
-static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r);
-
-/* EOWNERDEAD: the holder died inside a critical section.  The tables are the truth;
- * rebuild everything derived from them, then mark the mutex consistent. */
-static int shmkv__owner_died(shmkv_ctx_t *c) {
-    shmkv_count(c, SHMKV_C_OWNER_DEAD, 1);
-    shmkv_recovery_t r;
-    int st = shmkv_recover_locked(c, &r);
-    pthread_mutex_consistent(&c->sh->pool_lock);
-    if (st != SHMKV_OK) pthread_mutex_unlock(&c->sh->pool_lock);   /* callers see no lock */
-    return st;
-}
+/* EOWNERDEAD (the holder died inside a critical section) comes back as EDEADHOLDER with
+ * the lock held and still marked inconsistent; the coordinators of ops.h
+ * (shmkv_pool_lock, shmkv_pool_trylock) run the recovery pass and mark it consistent. */
 
 /* Critical sections under the pool lock last tens of nanoseconds, so a busy lock is
  * nearly always free again within a few hundred cycles: spinning on trylock that long
@@ -42,18 +35,20 @@ static inline int shmkv__pool_spin(shmkv_ctx_t *c) {
     return rc;
 }
 
-/* Returns OK (locked), EAGAIN (busy; nothing held), or ECORRUPT (not recoverable).
- * Spins briefly (bounded, no sleep) before giving up. */
-static int shmkv_pool_trylock(shmkv_ctx_t *c) {
+/* Returns OK (locked), EAGAIN (busy; nothing held), EDEADHOLDER (locked; the last
+ * holder died: recover, then mark consistent) or ECORRUPT.  Spins briefly (bounded, no
+ * sleep) before giving up. */
+static int shmkv__pool_trylock_raw(shmkv_ctx_t *c) {
     int rc = shmkv__pool_spin(c);
     if (rc == 0) return SHMKV_OK;
     if (rc == EBUSY) return SHMKV_EAGAIN;
-    if (rc == EOWNERDEAD) return shmkv__owner_died(c);
+    if (rc == EOWNERDEAD) return SHMKV_EDEADHOLDER;
     return SHMKV_ECORRUPT;
 }
 
-/* Blocks at most ctx->timeout_ns.  Call without the GIL. */
-static int shmkv_pool_lock(shmkv_ctx_t *c) {
+/* Blocks at most ctx->timeout_ns.  OK, EDEADHOLDER (as above), ETIMEDOUT or ECORRUPT.
+ * Call without the GIL. */
+static int shmkv__pool_lock_raw(shmkv_ctx_t *c) {
     int rc = shmkv__pool_spin(c);
     if (rc == EBUSY) {
         shmkv_count(c, SHMKV_C_LOCK_WAITS, 1);
@@ -62,7 +57,7 @@ static int shmkv_pool_lock(shmkv_ctx_t *c) {
         rc = pthread_mutex_timedlock(&c->sh->pool_lock, &ts);
     }
     if (rc == 0) return SHMKV_OK;
-    if (rc == EOWNERDEAD) return shmkv__owner_died(c);
+    if (rc == EOWNERDEAD) return SHMKV_EDEADHOLDER;
     if (rc == ETIMEDOUT) return SHMKV_ETIMEDOUT;
     return SHMKV_ECORRUPT;
 }
@@ -105,43 +100,49 @@ static inline void shmkv_seq_unlock(shmkv_ctx_t *c, uint32_t slot) {
     shmkv_atomic_store_u64_release(&c->seqs[slot].writer, 0);
 }
 
-/* Waits at most ctx->timeout_ns; spins briefly, then sleeps with backoff.  Every
- * millisecond or so it asks whether the holder is alive; a dead holder's lock is taken
- * over after a recovery pass (which also reclaims what the holder had in flight).
- * Call without the GIL.  Returns OK, ENOSEQ, ETIMEDOUT or a recovery error. */
-static int shmkv_seq_lock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot) {
-    int st = shmkv_seq_trylock(c, sid, slot);
-    if (st != SHMKV_EAGAIN) return st;
-    shmkv_count(c, SHMKV_C_LOCK_WAITS, 1);
-    int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC), last_probe = t0;
-    long sleep_ns = 1000;
-    for (unsigned spin = 0;; spin++) {
+/* Where a wait for a sequence lock stands, so that it can go on after the coordinator
+ * (shmkv_seq_lock, ops.h) has run a recovery pass for a dead holder: the same bound, the
+ * same backoff. */
+typedef struct {
+    int64_t t0;             /* CLOCK_MONOTONIC ns when the wait began: the bound's start */
+    int64_t last_probe;     /* when the holder's liveness was last asked */
+    long sleep_ns;          /* the next sleep, doubled up to 1 ms */
+    unsigned spin;          /* attempts so far: spin, then yield, then sleep */
+} shmkv_seq_wait_t;
+
+static inline void shmkv__seq_wait_init(shmkv_seq_wait_t *w) {
+    w->t0 = w->last_probe = shmkv_now_ns(CLOCK_MONOTONIC);
+    w->sleep_ns = 1000;
+    w->spin = 0;
+}
+
+/* Waits for a sequence lock, at most ctx->timeout_ns from w->t0; spins briefly, then
+ * sleeps with backoff.  Every millisecond or so it asks whether the holder is alive.
+ * Returns OK (held), ENOSEQ, ETIMEDOUT, or EDEADHOLDER: the holder is dead and nothing is
+ * held -- a recovery pass (which clears its lock and frees what it had in flight) must
+ * run, then a call with the same w goes on waiting.  Never recovers.  No GIL. */
+static int shmkv__seq_lock_wait(shmkv_ctx_t *c, int64_t sid, uint32_t *slot,
+                                shmkv_seq_wait_t *w) {
+    for (;;) {
+        unsigned spin = w->spin++;
         if (spin < 200) SHMKV_PAUSE();
         else if (spin < 400) sched_yield();
         else {
-            struct timespec ts = { 0, sleep_ns };
+            struct timespec ts = { 0, w->sleep_ns };
             nanosleep(&ts, NULL);
-            if (sleep_ns < 1000000) sleep_ns *= 2;
+            if (w->sleep_ns < 1000000) w->sleep_ns *= 2;
         }
-        st = shmkv_seq_trylock(c, sid, slot);
+        int st = shmkv_seq_trylock(c, sid, slot);
         if (st != SHMKV_EAGAIN) return st;
         int64_t now = shmkv_now_ns(CLOCK_MONOTONIC);
-        if (now - last_probe > 1000000) {
-            last_probe = now;
+        if (now - w->last_probe > 1000000) {
+            w->last_probe = now;
             uint32_t sl;
             if (shmkv_sid_slot(c, sid, &sl) != SHMKV_OK) return SHMKV_ENOSEQ;
             uint64_t holder = shmkv_atomic_load_u64(&c->seqs[sl].writer);
-            if (holder != 0 && !shmkv_proc_alive(c, holder)) {
-                st = shmkv_pool_lock(c);
-                if (st != SHMKV_OK) return st;
-                shmkv_recovery_t r;
-                st = shmkv_recover_locked(c, &r);    /* clears the lock, frees in-flight */
-                shmkv_pool_unlock(c);
-                if (st != SHMKV_OK) return st;
-                /* no `continue`: the bound holds even if the holder's lock survived */
-            }
+            if (holder != 0 && !shmkv_proc_alive(c, holder)) return SHMKV_EDEADHOLDER;
         }
-        if (shmkv_now_ns(CLOCK_MONOTONIC) - t0 > c->timeout_ns) return SHMKV_ETIMEDOUT;
+        if (shmkv_now_ns(CLOCK_MONOTONIC) - w->t0 > c->timeout_ns) return SHMKV_ETIMEDOUT;
     }
 }
 

@@ -1,7 +1,9 @@
 /*
  * kernels/pcache.h -- the per-process block and slot caches (a sequence's life without the pool lock).
  * Writes: this process's cache entries, and the pool's free stacks when a cache is
- * spilled, balanced or drained (under the pool lock); quiesce state.
+ * spilled (under the pool lock); quiesce state.  A primitive: a cache lock taken over
+ * from a dead holder is reported (EDEADHOLDER), never repaired here -- the cache's
+ * slow paths that recover (balance, drain before CacheFull) are ops.h's.
  */
 #ifndef SHMKV_KERNELS_PCACHE_H
 #define SHMKV_KERNELS_PCACHE_H
@@ -29,7 +31,7 @@ static inline void shmkv_pcache_unlock(shmkv_proc_t *p) {
  * lock now, can only be one that died holding it (a dead recoverer), or p itself dead.
  * Such a lock is taken over and EDEADHOLDER returned (holding it): what the holder left
  * may be half-done, so a recovery pass must run before the cache is used -- see
- * shmkv_pcache_lock_recover_locked. */
+ * shmkv_pcache_lock_recover_locked (ops.h). */
 static int shmkv_pcache_lock_locked(shmkv_ctx_t *c, shmkv_proc_t *p) {
     if (shmkv_pcache_trylock(c, p)) return SHMKV_OK;
     uint64_t me = c->proc_token ? c->proc_token : 1;
@@ -51,22 +53,6 @@ static int shmkv_pcache_lock_locked(shmkv_ctx_t *c, shmkv_proc_t *p) {
         if (spin < 256) SHMKV_PAUSE(); else sched_yield();
         if ((spin & 255) == 0 && shmkv_now_ns(CLOCK_MONOTONIC) - t0 > c->timeout_ns)
             return SHMKV_ETIMEDOUT;
-    }
-}
-
-static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r);
-
-/* shmkv_pcache_lock_locked, and after a takeover from a dead holder a recovery pass
- * (which finishes or undoes what the holder left half-done) before the lock is taken
- * again.  OK or an error; never EDEADHOLDER. */
-static int shmkv_pcache_lock_recover_locked(shmkv_ctx_t *c, shmkv_proc_t *p) {
-    for (int tries = 0;; tries++) {
-        int st = shmkv_pcache_lock_locked(c, p);
-        if (st != SHMKV_EDEADHOLDER) return st;
-        shmkv_pcache_unlock(p);
-        if (tries == 3) return SHMKV_ETIMEDOUT;
-        shmkv_recovery_t r;
-        if ((st = shmkv_recover_locked(c, &r)) != SHMKV_OK) return st;
     }
 }
 
@@ -249,50 +235,6 @@ static void shmkv__pcache_spill_locked(shmkv_ctx_t *c, shmkv_proc_t *p, uint32_t
             c->seq_free[c->sh->seq_free_top++] = s;
     }
     p->cache_nseqs = n;
-}
-
-/* Our cache back to half full (pool lock held): refilled from, or spilled to, the
- * shared stacks.  Refills take never-cached free blocks only (never the LRU list). */
-static int shmkv_pcache_balance_locked(shmkv_ctx_t *c) {
-    shmkv_proc_t *p = shmkv_me(c);
-    if (p == NULL) return SHMKV_OK;
-    int st = shmkv_pcache_lock_recover_locked(c, p);
-    if (st != SHMKV_OK) return st;
-    const uint32_t HB = SHMKV_PCACHE_BLOCKS / 2, HS = SHMKV_PCACHE_SEQS / 2;
-    shmkv__pcache_spill_locked(c, p, HB, HS);
-    shmkv_shared_t *sh = c->sh;
-    if (sh->free_top > c->cfg.num_blocks || sh->seq_free_top > c->cfg.max_seqs)
-        st = SHMKV_ECORRUPT;
-    while (st == SHMKV_OK && p->cache_nblocks < HB && sh->free_top > 0) {
-        uint32_t b = c->free_stack[sh->free_top - 1];
-        if (!shmkv__cacheable(c, b)) { st = SHMKV_ECORRUPT; break; }
-        sh->free_top--;
-        p->cache_blocks[p->cache_nblocks++] = b;
-    }
-    while (st == SHMKV_OK && p->cache_nseqs < HS && sh->seq_free_top > 0) {
-        uint32_t s = c->seq_free[sh->seq_free_top - 1];
-        if (s >= c->cfg.max_seqs || c->seqs[s].state != SHMKV_SEQ_FREE) { st = SHMKV_ECORRUPT; break; }
-        sh->seq_free_top--;
-        p->cache_seqs[p->cache_nseqs++] = s;
-    }
-    shmkv_pcache_unlock(p);
-    return st;
-}
-
-/* Every attached process's cache back to the shared stacks (pool lock held): before
- * CacheFullError, blocks or slots another process keeps for itself are not "full". */
-static int shmkv_pcache_drain_all_locked(shmkv_ctx_t *c) {
-    for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
-        shmkv_proc_t *p = &c->procs[s];
-        if (shmkv_atomic_load_u32(&p->state) != SHMKV_PROC_ACTIVE) continue;
-        if (shmkv_atomic_load_u32_relaxed(&p->cache_nblocks) == 0
-                && shmkv_atomic_load_u32_relaxed(&p->cache_nseqs) == 0) continue;
-        int st = shmkv_pcache_lock_recover_locked(c, p);
-        if (st != SHMKV_OK) return st;
-        if (p->state == SHMKV_PROC_ACTIVE) shmkv__pcache_spill_locked(c, p, 0, 0);
-        shmkv_pcache_unlock(p);
-    }
-    return SHMKV_OK;
 }
 
 /* Takes every ACTIVE process's cache_lock (pool lock held), so no fast path runs while

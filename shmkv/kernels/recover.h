@@ -1,79 +1,11 @@
 /*
- * kernels/recover.h -- process registration and recovery of dead processes' work.
- * Writes: process table, journals, and whatever recovery must put back.
+ * kernels/recover.h -- the recovery pass: dead processes' work reclaimed, every derived
+ * structure rebuilt from the tables.  Writes: process table, journals, and whatever
+ * recovery must put back.  A coordinator: it runs over the primitives below it (with
+ * every process cache quiesced) and is called from ops.h, never from a primitive.
  */
 #ifndef SHMKV_KERNELS_RECOVER_H
 #define SHMKV_KERNELS_RECOVER_H
-
-/* ---- process registration ------------------------------------------------------------- */
-/* Takes a free process slot: first the OFD liveness lock on its byte, then the fields,
- * then state ACTIVE -- so no prober ever sees an ACTIVE slot without its lock. */
-static int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid_start) {
-    if (c->lock_fd < 0) return SHMKV_EINVAL;
-    for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
-        shmkv_proc_t *p = &c->procs[s];
-        if (p->state != SHMKV_PROC_FREE) continue;
-        struct flock fl;
-        memset(&fl, 0, sizeof fl);
-        fl.l_type = F_WRLCK;
-        fl.l_whence = SEEK_SET;
-        fl.l_start = (off_t)(SHMKV_LOCK_BASE + s);
-        fl.l_len = 1;
-        if (fcntl(c->lock_fd, F_OFD_SETLK, &fl) != 0) continue;   /* a leaver still holds it */
-        uint32_t gen = p->gen + 1;
-        if (gen == 0) gen = 1;
-        p->pid = pid;
-        p->pid_start = pid_start;
-        p->attach_time_ns = (uint64_t)shmkv_now_ns(CLOCK_REALTIME);
-        for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) p->inflight[j] = SHMKV_NIL;
-        p->cache_nblocks = p->cache_nseqs = 0;   /* a released slot's cache went back */
-        shmkv_atomic_store_u64(&p->cache_lock, 0);
-        shmkv__fold_proc_counters(c, p);   /* a slot released by a crash mid-fold */
-        shmkv_atomic_store_u32(&p->gen, gen);
-        shmkv_atomic_store_u32(&p->state, SHMKV_PROC_ACTIVE);
-        c->sh->num_procs++;
-        c->proc_slot = s;
-        c->proc_token = ((uint64_t)gen << 32) | (uint64_t)(s + 1);
-        shmkv_count(c, SHMKV_C_PROCS_ATTACHED, 1);
-        return SHMKV_OK;
-    }
-    return SHMKV_EPROCFULL;
-}
-
-/* Leaves the process table, freeing our own sequences (not detached ones) first.  A
- * sequence of ours that another process holds locked right now is left to a later
- * recovery (its owner is gone by then).  Nothing of other processes is touched. */
-static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
-    if (c->proc_slot >= c->cfg.max_procs) return;
-    for (uint32_t s = 0; s < c->cfg.max_seqs; s++) {
-        shmkv_seq_t *q = &c->seqs[s];
-        if (q->state != SHMKV_SEQ_LIVE || q->owner != c->proc_token) continue;
-        if (!shmkv_atomic_cas_u64(&q->writer, 0, c->proc_token)) continue;
-        if (shmkv_seq_free_locked(c, s) != SHMKV_OK) shmkv_seq_unlock(c, s);
-    }
-    shmkv_proc_t *p = &c->procs[c->proc_slot];
-    for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) {
-        uint32_t b = p->inflight[j];
-        p->inflight[j] = SHMKV_NIL;
-        if (shmkv_block_ok(c, b)) shmkv_block_decref_locked(c, b);
-    }
-    if (shmkv_pcache_lock_recover_locked(c, p) == SHMKV_OK) {
-        shmkv__pcache_spill_locked(c, p, 0, 0);
-        shmkv_pcache_unlock(p);
-    }   /* else: a recovery pass returns them (the slot is released below either way) */
-    shmkv__fold_proc_counters(c, p);
-    shmkv_atomic_store_u32(&p->state, SHMKV_PROC_FREE);
-    if (c->sh->num_procs > 0) c->sh->num_procs--;
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_UNLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = (off_t)(SHMKV_LOCK_BASE + c->proc_slot);
-    fl.l_len = 1;
-    fcntl(c->lock_fd, F_OFD_SETLK, &fl);
-    c->proc_slot = SHMKV_NIL;
-    c->proc_token = 0;
-}
 
 /* ---- recovery ----------------------------------------------------------------------------- */
 /* Is any attached process dead?  O(max_procs) liveness probes, no writes: the cheap test
