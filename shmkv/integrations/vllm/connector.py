@@ -83,9 +83,9 @@ __all__ = ["ShmkvConnector", "ShmkvConnectorMetadata", "request_salt"]
 # under "vllm": the lines appear in vLLM's own log (vllm serve), formatted as vLLM's
 log = logging.getLogger("vllm.shmkv")
 
-# Test-only fault injection (DEVELOP.md): off unless the engine's environment has
-# SHMKV_VLLM_FAULT=1, and then only for requests whose cache_salt names the fault
-# ("fault:NAME"), so one engine serves clean and faulty requests side by side:
+# Test-only fault injection (DESIGN.md, "The vLLM connector"): off unless the engine's
+# environment has SHMKV_VLLM_FAULT=1, and then only for requests whose cache_salt names the
+# fault ("fault:NAME"), so one engine serves clean and faulty requests side by side:
 #   reset_before_load  the worker drops the segment's prefix index right before the load
 #                      (every matched block vanished between the match and the load)
 #   overclaim          the scheduler claims one vLLM block more than it matched
