@@ -121,10 +121,14 @@ class _WorkerHalf:
     def _dump_stats(self) -> None:
         if _STATS_FILE is None:
             return
+        # a temporary file of this process's own: the ranks of a tensor-parallel engine
+        # write at the same moment, and one shared name let one rank's bytes land in the
+        # middle of another's (the last whole file wins)
+        tmp = f"{_STATS_FILE}.{os.getpid()}.tmp"
         try:
-            with open(_STATS_FILE + ".tmp", "w") as f:
+            with open(tmp, "w") as f:
                 json.dump(self.stats, f)
-            os.replace(_STATS_FILE + ".tmp", _STATS_FILE)
+            os.replace(tmp, _STATS_FILE)
         except OSError:
             pass
 
