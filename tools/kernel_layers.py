@@ -104,12 +104,7 @@ def _code_only(text: str) -> str:
             if keep:          # drop "#define NAME(args)" itself, keep the body
                 m = _MACRO.match(line)
                 assert m is not None
-                depth, j = 0, m.end() - 1
-                while j < len(line):
-                    depth += {"(": 1, ")": -1}.get(line[j], 0)
-                    j += 1
-                    if depth == 0:
-                        break
+                j = _group_end(line, m.end() - 1)
                 line = " " * j + line[j:]
         if start or in_pp:
             in_pp = line.rstrip().endswith("\\")
@@ -117,6 +112,17 @@ def _code_only(text: str) -> str:
         else:
             out.append(line)
     return "\n".join(out)
+
+
+def _group_end(code: str, i: int) -> int:
+    """One past the ")" that closes the "(" at code[i]."""
+    depth = 0
+    while i < len(code):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        i += 1
+        if depth == 0:
+            break
+    return i
 
 
 def definitions(text: str) -> dict[str, int]:
@@ -152,23 +158,13 @@ def definitions(text: str) -> dict[str, int]:
             if j < n and code[j] == "(" and word not in _KEYWORDS:
                 # a definition's name is the identifier before its parameter list; skip
                 # the balanced list so a parameter's name is not taken for it
-                pd, k = 0, j
-                while k < n:
-                    pd += {"(": 1, ")": -1}.get(code[k], 0)
-                    k += 1
-                    if pd == 0:
-                        break
+                k = _group_end(code, j)
                 # "FN(name)(args)": a name made by a macro; the macro stands for it
                 q = k
                 while q < n and code[q] in " \t\n":
                     q += 1
                 if q < n and code[q] == "(":
-                    pd, k = 0, q
-                    while k < n:
-                        pd += {"(": 1, ")": -1}.get(code[k], 0)
-                        k += 1
-                        if pd == 0:
-                            break
+                    k = _group_end(code, q)
                 last_name = (word, i)
                 i = k
                 continue

@@ -186,7 +186,9 @@ static int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int read
     shmkv_header_t h;
     memcpy(&h, base, sizeof h);
     uint32_t state = shmkv_atomic_load_u32_acquire(&((shmkv_shared_t *)(base + SHMKV_SHARED_OFFSET))->state);
-    if (h.magic == 0 && state == 0) return SHMKV_ENOTREADY;   /* creator still sizing it */
+    /* the creator still sizing it (state 0), or building it: seg_init stores INIT first
+     * and the header (magic included) later, so a zero magic under INIT is not "bad" */
+    if (h.magic == 0 && (state == 0 || state == SHMKV_STATE_INIT)) return SHMKV_ENOTREADY;
     if (h.magic != SHMKV_MAGIC) return SHMKV_EBADMAGIC;
     if (h.layout_version != SHMKV_LAYOUT_VERSION || h.header_size != SHMKV_HEADER_SIZE)
         return SHMKV_EVERSION;

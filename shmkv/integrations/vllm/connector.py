@@ -1,7 +1,8 @@
 """ShmkvConnector: a vLLM (v1 API) KV connector over one shmkv segment, so that every vLLM
 instance on the host that names the same segment shares one prefix cache, with no server.
 
-Owns the two halves vLLM runs in different processes:
+Owns the two halves vLLM runs in different processes (the scheduler's here, the worker's
+in worker.py, what one hands the other each step in metadata.py):
 
 * scheduler side (EngineCore): matches a request's tokens against the segment's prefix
   index (``match_prefix``, salted by model, ``cache_salt`` and LoRA), counts whole vLLM
@@ -36,10 +37,7 @@ engine start.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -53,16 +51,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import shmkv
-from shmkv.integrations.torch_views import pool_tensors
 from shmkv.pending import PendingMarks, prefix_keys
 
-from .events import ShmkvKVEvents, stored_event
+from .events import ShmkvKVEvents
+from .faults import _FAULTS_ON, _fault  # noqa: F401  (_FAULTS_ON: importable here as before)
 from .hybrid import check_groups
-from .layout import CpuLayout, probe_layout
-from .segment import check_fp8_scales, open_segment, segment_spec, vllm_kv_scales
+from .layout import CpuLayout
+from .metadata import LoadOp, SaveOp, ShmkvConnectorMetadata
+from .segment import open_segment, segment_spec
 from .stats import ShmkvConnectorStats, ShmkvPromMetrics, segment_gauges
 from .tier import TierLookups, tier_spec
-from .tp import rank_heads, tp_load, tp_rank, tp_save
+from .tp import tp_rank
+from .worker import _STATS_FILE, _WorkerHalf  # noqa: F401  (_STATS_FILE: as _FAULTS_ON)
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -71,8 +71,6 @@ if TYPE_CHECKING:  # pragma: no cover
         KVConnectorPromMetrics,
         KVConnectorStats,
     )
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -83,59 +81,11 @@ __all__ = ["ShmkvConnector", "ShmkvConnectorMetadata", "request_salt"]
 # under "vllm": the lines appear in vLLM's own log (vllm serve), formatted as vLLM's
 log = logging.getLogger("vllm.shmkv")
 
-# Test-only fault injection (DEVELOP.md): off unless the engine's environment has
-# SHMKV_VLLM_FAULT=1, and then only for requests whose cache_salt names the fault
-# ("fault:NAME"), so one engine serves clean and faulty requests side by side:
-#   reset_before_load  the worker drops the segment's prefix index right before the load
-#                      (every matched block vanished between the match and the load)
-#   overclaim          the scheduler claims one vLLM block more than it matched
-#   kill_mid_save      the worker SIGKILLs itself after copying half the layers of a save
-_FAULTS_ON = os.environ.get("SHMKV_VLLM_FAULT") == "1"
-
-
-# SHMKV_VLLM_STATS=FILE: the worker's connector rewrites FILE (JSON: its counters, and the
-# seconds its loads and saves took) after every step that loaded or saved.  For the tests
-# and benchmarks that drive the offline LLM class; deployments read vLLM's /metrics.
-_STATS_FILE = os.environ.get("SHMKV_VLLM_STATS") or None
-
-
-def _fault(salt: str, name: str) -> bool:
-    return _FAULTS_ON and f"fault:{name}" in salt
-
-
 def request_salt(model_id: str, cache_salt: Optional[str] = None,
                  lora_name: Optional[str] = None) -> str:
     """The prefix-cache salt of a request: model identity, cache_salt and LoRA, so that
     different models or tenants never share a block."""
     return f"vllm\x00{model_id}\x00{cache_salt or ''}\x00{lora_name or ''}"
-
-
-@dataclass
-class LoadOp:
-    req_id: str
-    tokens: np.ndarray          # int32 ids of tokens [0, end), plus one more (never hashed)
-    salt: str
-    start: int                  # first token to load (vLLM-block aligned)
-    end: int                    # one past the last (shmkv-block aligned)
-    block_ids: list[int]        # vLLM blocks holding tokens [start, end), in order
-    hashes: Optional[list[Any]] = None   # vLLM's hashes of its blocks [0, end) (events on)
-    lora_name: Optional[str] = None
-
-
-@dataclass
-class SaveOp:
-    req_id: str
-    tokens: np.ndarray          # int32 ids of tokens [0, end) (end: vLLM-block aligned)
-    salt: str
-    block_ids: list[int]        # vLLM blocks of tokens [0, end), in order
-    hashes: Optional[list[Any]] = None   # vLLM's hashes of those blocks (events on)
-    lora_name: Optional[str] = None
-
-
-@dataclass
-class ShmkvConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadOp] = field(default_factory=list)
-    saves: list[SaveOp] = field(default_factory=list)
 
 
 @dataclass
@@ -175,7 +125,7 @@ def _ids(tokens: Any, n: int, pad: bool) -> np.ndarray:
     return a
 
 
-class ShmkvConnector(KVConnectorBase_V1):
+class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
     """vLLM KV connector over a shmkv segment; see the module docstring and README "vLLM".
 
     ``kv_connector_extra_config`` keys: ``segment`` (required), ``num_blocks`` or
@@ -504,245 +454,6 @@ class ShmkvConnector(KVConnectorBase_V1):
                            labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
                            ) -> "Optional[KVConnectorPromMetrics]":
         return ShmkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-    # --------------------------------------------------------------- worker side
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        if self._kv is None:
-            return                          # off (a missing package): nothing to copy
-        cfg = self._kv.config
-        names = sorted(kv_caches, key=extract_layer_index)
-        if len(names) != cfg.num_layers:
-            raise shmkv.SegmentError(
-                f"shmkv: the model has {len(names)} attention layers here, the segment "
-                f"{self._kv.name!r} has num_layers={cfg.num_layers}")
-        h, d, vb = rank_heads(cfg.num_kv_heads, self._tp), cfg.head_dim, self._vb
-        want = (h, vb, 2 * d)
-        for n in names:
-            t = kv_caches[n]
-            if t.dim() != 4 or tuple(t.shape[1:]) != want or not t.is_contiguous():
-                log.warning("shmkv: layer %s's KV tensor is %s (contiguous=%s), expected "
-                            "[num_blocks, %d, %d, %d] contiguous (CPU_ATTN): the connector is "
-                            "off", n, tuple(t.shape), t.is_contiguous(), *want)
-                self._save_on = self._load_on = False
-                return
-        # the model's dtype, as vLLM's backend picks its ISA (an fp8 cache's tensors are uint8)
-        self._layout = self._self_test(self._vllm_config.model_config.dtype)
-        if self._layout is None:
-            self._save_on = self._load_on = False
-            return
-        # fp8: the codes mean code * scale with this instance's scales (segment.py)
-        check_fp8_scales(self._kv, *vllm_kv_scales(self._vllm_config, names))
-        self._layers = [(kv_caches[n], *pool_tensors(self._kv, i)) for i, n in enumerate(names)]
-
-    def _self_test(self, dtype: torch.dtype) -> Optional[CpuLayout]:
-        assert self._kv is not None
-        cfg = self._kv.config
-        isa = "?"
-        try:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            isa = _get_attn_isa(dtype, self._vb, cfg.head_dim,
-                                self._vllm_config.cache_config.cache_dtype)
-            lay = probe_layout(isa, dtype, cfg.num_kv_heads, cfg.head_dim, self._vb, self._bs,
-                               str(self._vllm_config.cache_config.cache_dtype))
-        except Exception as e:
-            log.warning("shmkv: the layout self-test raised %s: %s", type(e).__name__, e)
-            lay = None
-        if lay is None:
-            log.warning("shmkv: vLLM's KV layout for ISA %r is not one this connector "
-                        "understands: saving and loading are off (no wrong bytes stored)", isa)
-        else:
-            log.info("shmkv: ISA %r, layout %s", isa, lay.name)
-        return lay
-
-    def _pieces(self, block_ids: list[int], t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(vLLM block, piece) of every shmkv block of tokens [t0, t1) (bs-aligned)."""
-        bs, r = self._bs, self._vb // self._bs
-        g = torch.arange(t0 // bs, t1 // bs, dtype=torch.int64)
-        first = t0 // self._vb
-        ids = torch.as_tensor(block_ids, dtype=torch.int64)
-        return ids[g // r - first], g % r
-
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ShmkvConnectorMetadata)
-        self._short_reqs = set()
-        if meta.loads:
-            t0 = time.perf_counter()
-            for op in meta.loads:
-                self._load(op)
-            dt = time.perf_counter() - t0
-            self.stats["load_seconds"] += dt
-            self._iv.observe("load_seconds", dt)
-            self._dump_stats()
-
-    def _dump_stats(self) -> None:
-        if _STATS_FILE is None:
-            return
-        try:
-            with open(_STATS_FILE + ".tmp", "w") as f:
-                json.dump(self.stats, f)
-            os.replace(_STATS_FILE + ".tmp", _STATS_FILE)
-        except OSError:
-            pass
-
-    def _load(self, op: LoadOp) -> None:
-        if self._tp is not None:            # this rank's slice of the heads (tp.py)
-            before = self.stats["loaded_tokens"]
-            tp_load(self, op)
-            good = op.start + int(self.stats["loaded_tokens"] - before)
-            self._account_load(op, good)
-            return
-        kv, vb = self._kv, self._vb
-        assert kv is not None
-        good = op.start
-        sid = None
-        try:
-            if self._layout is None:
-                raise RuntimeError("loading is off")
-            if _fault(op.salt, "reset_before_load"):
-                kv.reset_prefix_cache()
-            sid = kv.create_sequence(tokens=op.tokens, salt=op.salt)
-            have = min(kv.seq_len(sid), op.end) // self._bs * self._bs
-            if have > op.start:
-                table = torch.from_numpy(kv.block_table(sid).astype(np.int64))
-                bs = self._bs
-                src = table[op.start // bs:have // bs]
-                vblk, sub = self._pieces(op.block_ids, op.start, have)
-                for t, kp, vp in self._layers:
-                    self._layout.copy(t, kp, vp, bs, src, vblk, sub, to_vllm=True)
-                good = have
-        except Exception as e:
-            log.warning("shmkv: load of %s failed (%s: %s); recomputing", op.req_id,
-                        type(e).__name__, e)
-        finally:
-            if sid is not None:
-                try:
-                    kv.free(sid)
-                except Exception:
-                    pass
-        self.stats["loaded_tokens"] += good - op.start
-        self._account_load(op, good)
-        if good < op.end:
-            failed = op.block_ids[(good - op.start) // vb:]
-            self._load_errors.update(failed)
-            self._short_reqs.add(op.req_id)
-            self.stats["load_shortfall_tokens"] += op.end - good
-            self.stats["load_errors"] += 1
-
-    def _account_load(self, op: LoadOp, good: int) -> None:
-        """This interval's figures and events for a load that delivered [start, good)."""
-        vb = self._vb
-        self._iv.count("loaded_tokens", good - op.start)
-        self._iv.count("loaded_blocks", (good - op.start) // self._bs)
-        if op.hashes is not None and good // vb > op.start // vb:
-            self._announce(op.hashes, op.tokens, op.start // vb, good // vb, op.lora_name)
-        if good < op.end:
-            self._iv.count("load_failures")
-            self._iv.count("load_failed_tokens", op.end - good)
-
-    def _announce(self, hashes: list[Any], tokens: np.ndarray, b0: int, b1: int,
-                  lora_name: Optional[str]) -> None:
-        """An event for vLLM blocks [b0, b1) of a request, now held by the segment."""
-        if not self._events_on or b1 > len(hashes):
-            return
-        vb = self._vb
-        assert self._kv is not None
-        self._events.append(stored_event(hashes[b0:b1], hashes[b0 - 1] if b0 else None,
-                                         tokens[b0 * vb:b1 * vb].tolist(), vb,
-                                         self._kv.name.lstrip("/"), lora_name))
-
-    def get_kv_connector_kv_cache_events(self) -> Optional[ShmkvKVEvents]:
-        """This step's events (every step, empty or not, while events are on)."""
-        if not self._events_on or self._kv is None:
-            return None
-        out = ShmkvKVEvents(num_workers=1)
-        out.add_events(self._events)
-        self._events = []
-        return out
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
-        return out
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return              # saved in wait_for_save, from the tensors registered above
-
-    def wait_for_save(self) -> None:
-        if self._layout is None or not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ShmkvConnectorMetadata)
-        if not meta.saves:
-            return
-        t0 = time.perf_counter()
-        for op in meta.saves:
-            # a request whose load fell short was computed this step on blocks that hold
-            # no valid K/V: vLLM recomputes it, and saves it then (update_connector_output)
-            if op.req_id not in self._short_reqs:
-                self._save(op)
-        dt = time.perf_counter() - t0
-        self.stats["save_seconds"] += dt
-        self._iv.observe("save_seconds", dt)
-        self._dump_stats()
-
-    def _save(self, op: SaveOp) -> None:
-        if self._tp is not None:            # this rank's slice of the heads (tp.py)
-            saved, errors = self.stats["saved_tokens"], self.stats["save_errors"]
-            tp_save(self, op)
-            if self.stats["save_errors"] > errors:
-                self._iv.count("save_errors", self.stats["save_errors"] - errors)
-            n = int(self.stats["saved_tokens"] - saved)
-            if n > 0:
-                self._account_save(op, len(op.tokens) - n, len(op.tokens))
-            return
-        kv, bs = self._kv, self._bs
-        assert self._layout is not None and kv is not None
-        end = len(op.tokens)
-        sid = None
-        try:
-            padded = np.append(op.tokens, np.int32(0))
-            sid = kv.create_sequence(tokens=padded, salt=op.salt)
-            have = kv.seq_len(sid)              # already published (bs-aligned)
-            if have >= end:
-                return
-            kv.reserve(sid, end - have, tokens=op.tokens[have:])
-            table = torch.from_numpy(kv.block_table(sid).astype(np.int64))
-            dst = table[have // bs:end // bs]
-            vblk, sub = self._pieces(op.block_ids, 0, end)
-            vblk, sub = vblk[have // bs:], sub[have // bs:]
-            half = len(self._layers) // 2
-            for i, (t, kp, vp) in enumerate(self._layers):
-                if i == half and _fault(op.salt, "kill_mid_save"):
-                    os.kill(os.getpid(), signal.SIGKILL)
-                self._layout.copy(t, kp, vp, bs, dst, vblk, sub, to_vllm=False)
-            kv.commit(sid)                      # every byte written: now findable
-            self.stats["saved_tokens"] += end - have
-            self._account_save(op, have, end)
-        except Exception as e:                  # full pool, foreign segment...: a miss later
-            self.stats["save_errors"] += 1
-            self._iv.count("save_errors")
-            log.warning("shmkv: save of %s failed (%s: %s)", op.req_id, type(e).__name__, e)
-        finally:
-            if sid is not None:
-                try:
-                    kv.free(sid)                # committed blocks stay cached
-                except Exception:
-                    pass
-
-    def _account_save(self, op: SaveOp, have: int, end: int) -> None:
-        """This interval's figures and events for a save that published [have, end)."""
-        self._iv.count("saved_tokens", end - have)
-        self._iv.count("saved_blocks", (end - have) // self._bs)
-        if op.hashes is not None:
-            self._announce(op.hashes, op.tokens, have // self._vb, end // self._vb,
-                           op.lora_name)
 
     def shutdown(self) -> None:
         if self._lookups is not None:

@@ -39,6 +39,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .faults import _fault
+
 log = logging.getLogger("shmkv.vllm")
 
 __all__ = ["TPRank", "tp_rank", "tp_save", "tp_load"]
@@ -97,8 +99,6 @@ def _copy_all(conn, dst: torch.Tensor, vblk: torch.Tensor, sub: torch.Tensor,
 
 def tp_save(conn, op) -> None:
     """``ShmkvConnector._save`` of a TP rank (see the module docstring)."""
-    from .connector import _fault
-
     tp: TPRank = conn._tp
     kv, bs = conn._kv, conn._bs
     end = len(op.tokens)
@@ -172,8 +172,6 @@ def tp_save(conn, op) -> None:
 
 def tp_load(conn, op) -> None:
     """``ShmkvConnector._load`` of a TP rank (see the module docstring)."""
-    from .connector import _fault
-
     tp: TPRank = conn._tp
     kv, vb, bs = conn._kv, conn._vb, conn._bs
     sid = None
