@@ -95,8 +95,7 @@ attention = Extension(
     extra_compile_args=cflags,
     extra_link_args=ldflags,
     libraries=["m", "pthread"],
-    depends=["shmkv/kernels/attention.h", "shmkv/kernels/attention_isa.h",
-             "shmkv/kernels/attention_amx.h", "shmkv/kernels/attention_gemm.h"] + PXD,
+    depends=sorted(glob.glob("shmkv/kernels/attention*.h")) + PXD,
 )
 
 VARIANT, STAMP = ("debug" if DEBUG else "release"), ".cython-variant"
