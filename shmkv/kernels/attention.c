@@ -93,10 +93,6 @@ typedef struct {
     int64_t part;               /* -1: final, written to out; else the partial's slot */
 } shmkv_item_t;
 
-typedef struct {                /* one thread's scratch, grown, never shrunk */
-    float *buf;
-    size_t cap;                 /* floats */
-} shmkv_scratch_t;
 
 typedef struct {
     const shmkv_attn_args_t *a;
@@ -280,11 +276,25 @@ int shmkv_attn_cpu_isa(void) {
     return v;
 }
 
+/* SHMKV_ATTN_ISA=name forces a path from the first call that asks which (a _force_isa
+ * after it wins). */
+static pthread_once_t shmkv_att_isa_once = PTHREAD_ONCE_INIT;
+static void shmkv_att_isa_env(void) {
+    const char *f = getenv("SHMKV_ATTN_ISA");
+    if (f && *f) {
+        int isa = !strcmp(f, "scalar") ? SHMKV_ISA_SCALAR : !strcmp(f, "avx2") ? SHMKV_ISA_AVX2
+                : !strcmp(f, "avx512") ? SHMKV_ISA_AVX512 : !strcmp(f, "amx") ? SHMKV_ISA_AMX : -1;
+        if (isa >= 0 && isa <= shmkv_attn_cpu_isa()) shmkv_att_isa_forced = isa;
+    }
+}
+
 int shmkv_attn_isa(void) {
+    pthread_once(&shmkv_att_isa_once, shmkv_att_isa_env);
     return shmkv_att_isa_forced >= 0 ? shmkv_att_isa_forced : shmkv_attn_cpu_isa();
 }
 
 int shmkv_attn_force_isa(int isa) {
+    pthread_once(&shmkv_att_isa_once, shmkv_att_isa_env);
     if (isa < 0) { shmkv_att_isa_forced = -1; return 0; }
     if (isa > shmkv_attn_cpu_isa()) return -1;
     shmkv_att_isa_forced = isa;

@@ -7,6 +7,11 @@
 /* ---- the thread pool ------------------------------------------------------------------ */
 typedef void (*shmkv_task_fn)(void *ctx, uint32_t item, int tid);
 
+typedef struct {                /* one thread's scratch, grown, never shrunk */
+    float *buf;
+    size_t cap;                 /* floats */
+} shmkv_scratch_t;
+
 static struct {
     pthread_mutex_t call_mu;    /* one call at a time; held across fork() by prepare */
     pthread_mutex_t mu;
@@ -245,12 +250,6 @@ static void shmkv_att_init(void) {
     pthread_atfork(shmkv_att_prepare, shmkv_att_parent, shmkv_att_child);
     const char *pool = getenv("SHMKV_ATTN_POOL");
     if (pool && !strcmp(pool, "own")) P.omp_off = 1;
-    const char *f = getenv("SHMKV_ATTN_ISA");
-    if (f && *f) {
-        int isa = !strcmp(f, "scalar") ? SHMKV_ISA_SCALAR : !strcmp(f, "avx2") ? SHMKV_ISA_AVX2
-                : !strcmp(f, "avx512") ? SHMKV_ISA_AVX512 : !strcmp(f, "amx") ? SHMKV_ISA_AMX : -1;
-        if (isa >= 0) shmkv_attn_force_isa(isa);
-    }
 }
 
 int shmkv_attn_set_threads(int n) {
