@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 import pytest
-from attn_golden import CASES, RECORDED_ISAS, THREADS, digest, run_case
+from attn_golden import CASES, RECORDED_ISAS, THREADS, digest, pool_input, run_case
 from conftest import ISAS
 
 from shmkv import _attention
@@ -48,8 +48,26 @@ def test_default_mode_is_bit_for_bit_what_it_was(isa_name):
                         for c in CASES[:3] for t in THREADS}
     finally:
         _attention._force_isa(before)
-    assert {k: v for k, v in got.items() if v != want[k]} == {}
-    assert all(got[k] == v for k, v in got_explicit.items())
+    key = f"build {rec['build']!r}, isa {isa_name!r}"
+    assert {k: v for k, v in got.items() if v != want[k]} == {}, key
+    assert all(got[k] == v for k, v in got_explicit.items()), key
+
+
+def test_digest_inputs_do_not_depend_on_ml_dtypes():
+    """The cases' bfloat16 inputs are rounded by the test itself: from float32 exactly as
+    every correct float32 -> bfloat16 cast (round to nearest even), and from float64 through
+    float32 (two roundings) whatever ml_dtypes' own float64 cast does."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(1 << 18) * np.exp(rng.uniform(-30, 30, 1 << 18))
+    x32 = x.astype(np.float32)
+    assert np.array_equal(pool_input(x32, bf16).view(np.uint16), x32.astype(bf16).view(np.uint16))
+    assert np.array_equal(pool_input(x, bf16).view(np.uint16),
+                          pool_input(x32, bf16).view(np.uint16))
+    # ties go to even: 1 + 2**-8 is halfway between two bfloat16 neighbours of 1
+    ties = np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8], np.float32)
+    assert pool_input(ties, bf16).astype(np.float32).tolist() == [1.0, 1 + 2.0 ** -6]
 
 
 def test_the_digest_check_can_fail(make_cache):
