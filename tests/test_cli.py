@@ -22,6 +22,7 @@ import uuid
 import cli_workers
 import numpy as np
 import pytest
+from procout import readline_with, stderr_lines
 
 import shmkv
 import shmkv._core as core
@@ -97,7 +98,7 @@ def shmkv_cli(tmp_path):
 def fail_line(r, name):
     """An expected failure: exit 2, nothing on stdout, one line on stderr naming it."""
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
+    lines = stderr_lines(r.stderr)
     assert len(lines) == 1 and lines[0].startswith(f"shmkv: {name}"), r.stderr
     assert r.stdout == ""
     return lines[0]
@@ -527,7 +528,7 @@ def test_metrics_scraped_over_http(tmp_path, names):
                                  "127.0.0.1:0", "--once"], cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            line = proc.stderr.readline()
+            line = readline_with(proc.stderr, "/metrics")
             m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
             assert m, line
             base = f"http://127.0.0.1:{m.group(1)}"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from procout import stderr_lines
 
 pytest.importorskip("PIL", reason="the control run draws a PNG with the real Pillow")
 
@@ -35,7 +36,7 @@ def test_png_without_pillow_says_how_to_get_it(cache, tmp_path):
     r = _blocks_png(cache.name, png, tmp_path, pythonpath=shim)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr, r.stderr
-    lines = r.stderr.strip().splitlines()
+    lines = stderr_lines(r.stderr)
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("shmkv: --png needs Pillow"), lines[0]
     assert 'pip install "shmkv[cli]"' in lines[0] and "pip install Pillow" in lines[0]

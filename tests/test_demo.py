@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from procout import stderr_lines
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -103,7 +104,7 @@ def test_demo_without_torch_says_how_to_get_it(tmp_path):
     for mod in ("torch", "transformers"):
         r = run_demo(tmp_path, "--quick", pre=f"sys.modules[{mod!r}] = None", timeout=60)
         assert r.returncode == 2, (r.stdout, r.stderr)
-        lines = r.stderr.strip().splitlines()
+        lines = stderr_lines(r.stderr)
         assert len(lines) == 1 and 'pip install "shmkv[demo]"' in lines[0], r.stderr
         assert r.stdout == ""
 
