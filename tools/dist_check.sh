@@ -19,6 +19,10 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 
 step() { echo "== dist-check: $*"; }
 
+# the tested set (tools/lock.py): the tools, and the isolated build environment that
+# `python -m build` makes with pip (PIP_CONSTRAINT reaches it)
+export PIP_CONSTRAINT=$ROOT/constraints/tools.txt
+
 step "tools venv (build, twine, auditwheel)"
 "$PYTHON" -m venv "$OUT/tools"
 T=$OUT/tools/bin
@@ -63,7 +67,8 @@ for kind in wheel sdist; do
     art=$([ $kind = wheel ] && echo "$WHEEL" || echo "$SDIST")
     step "fresh venv from the $kind, installed and run from /tmp"
     "$PYTHON" -m venv "$OUT/venv-$kind"
-    (cd /tmp && "$OUT/venv-$kind/bin/python" -m pip --disable-pip-version-check install -q "$art" \
+    (cd /tmp && PIP_CONSTRAINT=$ROOT/constraints/main.txt \
+        "$OUT/venv-$kind/bin/python" -m pip --disable-pip-version-check install -q "$art" \
         >"$OUT/install-$kind.log" 2>&1) || { tail -40 "$OUT/install-$kind.log"; exit 1; }
     (cd /tmp && "$OUT/venv-$kind/bin/python" "$ROOT/tools/dist_smoke.py")
     (cd /tmp && "$OUT/venv-$kind/bin/shmkv" --version)

@@ -2,10 +2,15 @@
 it is tested with (shmkv/_compat.py TESTED, the same ranges as pyproject's extras), in
 plain venvs, against one wheel of this checkout.
 
-Two venvs, each with every integration's dependency at one end of its range:
+Two venvs, each with every integration's dependency at one end of its range, everything
+else at the tested set of constraints/compat-lowest.txt and compat-newest.txt (tools/lock.py):
 
   lowest   numpy 1.x (lowest), transformers, redis-py, pyzmq, msgspec at their lowest
   newest   numpy 2.x (newest), transformers, redis-py, pyzmq, msgspec at their newest
+
+and, with --only latest (make compat-latest, outside CI's gate), a third with no constraints
+at all: today's newest release of each (torch excepted, below), to learn before a commit
+of the tested set what the next one will meet.
 
 torch is 2.13.0 in both: the only build installable on the machines that test shmkv (a
 looser request downloads a multi-GB CUDA build). The full suite runs in .venv (make test)
@@ -15,7 +20,8 @@ remote tier against a local Redis Cluster (when redis-server is there: make redi
 papercuts and the ranges. pip's cache is reused; the venvs are kept in .compat/ and
 rebuilt only when their pins change.
 
-Usage: python3 tools/test_compat.py --python .venv/bin/python [--only lowest|newest]
+Usage: python3 tools/test_compat.py --python .venv/bin/python [--wheel DIR]
+                                   [--only lowest|newest|latest]
 """
 import argparse
 import glob
@@ -46,8 +52,17 @@ def _tested():
 
 def combos():
     t = _tested()
-    return {end: [f"{d}=={t[d][1 if end == 'lowest' else 2]}" for d in sorted(t)]
-            for end in ("lowest", "newest")}
+    out = {end: [f"{d}=={t[d][1 if end == 'lowest' else 2]}" for d in sorted(t)]
+           for end in ("lowest", "newest")}
+    # today's newest: no version named, no constraints (torch: the CPU build on disk)
+    out["latest"] = [d if d != "torch" else f"torch=={t[d][2]}" for d in sorted(t)]
+    return out
+
+
+def constraints(name):
+    """The constraint file of a venv (None for `latest`: nothing held back)."""
+    path = os.path.join(ROOT, "constraints", f"compat-{name}.txt")
+    return path if name != "latest" else None
 
 
 def run(cmd, **kw):
@@ -55,7 +70,10 @@ def run(cmd, **kw):
     return subprocess.run(cmd, check=True, **kw)
 
 
-def build_wheel(python):
+def build_wheel(python, wheel_dir=None):
+    if wheel_dir:                      # make's own build (the .venv's wheel)
+        (whl,) = glob.glob(os.path.join(wheel_dir, "shmkv-*.whl"))
+        return whl
     dist = os.path.join(OUT, "dist")
     shutil.rmtree(dist, ignore_errors=True)
     run([python, "-m", "pip", "--disable-pip-version-check", "wheel", "-q",
@@ -67,13 +85,15 @@ def build_wheel(python):
 def venv(name, pins):
     path = os.path.join(OUT, name)
     stamp = os.path.join(path, ".pins")
-    want = "\n".join(BASE + pins)
-    if not (os.path.exists(stamp) and open(stamp).read() == want):
+    con = constraints(name)
+    cflags = ["-c", con] if con else []
+    want = "\n".join(BASE + pins) + ("\n" + open(con).read() if con else "")
+    if name == "latest" or not (os.path.exists(stamp) and open(stamp).read() == want):
         shutil.rmtree(path, ignore_errors=True)
         run([sys.executable, "-m", "venv", path])
         pip = [os.path.join(path, "bin", "python"), "-m", "pip", "--disable-pip-version-check"]
-        run(pip + ["install", "-q", "-U", "pip"])
-        run(pip + ["install", "-q"] + BASE + pins)
+        run(pip + ["install", "-q", "-U"] + cflags + ["pip"])
+        run(pip + ["install", "-q"] + cflags + BASE + pins)
         with open(stamp, "w") as f:
             f.write(want)
     return path
@@ -91,14 +111,16 @@ def versions(path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", required=True, help="builds the wheel (the .venv's python)")
-    ap.add_argument("--only", choices=("lowest", "newest"))
+    ap.add_argument("--wheel", help="a folder holding the wheel to test (else one is built)")
+    ap.add_argument("--only", choices=("lowest", "newest", "latest"),
+                    help="one venv (latest: only with --only, never by default)")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     t0 = time.monotonic()
-    whl = build_wheel(args.python)
+    whl = build_wheel(args.python, args.wheel)
     report = []
     for name, pins in combos().items():
-        if args.only and name != args.only:
+        if (args.only and name != args.only) or (not args.only and name == "latest"):
             continue
         t = time.monotonic()
         path = venv(name, pins)
@@ -108,9 +130,10 @@ def main():
         print(f"== test-compat {name}:\n" + versions(path), flush=True)
         t = time.monotonic()
         # bin/pytest, not python -m pytest: the checkout must not shadow the installed wheel
-        r = subprocess.run([os.path.join(path, "bin", "pytest"), "-q", "-p", "no:cacheprovider",
-                            "-W", "error::shmkv._compat.ShmkvVersionWarning"] + TESTS,
-                           cwd=ROOT)
+        # inside the tested ranges a version warning is a bug; past them (latest) it is due
+        strict = [] if name == "latest" else ["-W", "error::shmkv._compat.ShmkvVersionWarning"]
+        r = subprocess.run([os.path.join(path, "bin", "pytest"), "-q", "-p", "no:cacheprovider"]
+                           + strict + TESTS, cwd=ROOT)
         report.append((name, versions(path), setup_s, time.monotonic() - t, r.returncode))
     print("\n== test-compat summary")
     for name, vs, setup_s, test_s, rc in report:
