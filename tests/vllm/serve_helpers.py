@@ -259,6 +259,81 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+# What a chat completion request adds to return each generated token (by id) with its
+# logprob and its top 5 candidates' (assert_same_greedy compares them)
+LOGPROBS = {"logprobs": True, "top_logprobs": 5, "return_tokens_as_token_ids": True}
+
+
+def _logprob_entries(resp: dict) -> list[dict]:
+    lp = resp["choices"][0].get("logprobs") or {}
+    entries = lp.get("content")
+    assert entries, "the response carries no per-token logprobs (ask with LOGPROBS)"
+    return entries
+
+
+def _top(entry: dict) -> dict[str, float]:
+    """The entry's candidates, token -> logprob (its chosen token among them)."""
+    out = {t["token"]: float(t["logprob"]) for t in entry.get("top_logprobs") or []}
+    out.setdefault(entry["token"], float(entry["logprob"]))
+    return out
+
+
+def assert_same_greedy(got: dict, want: dict, tol: float, min_agree: int = 3,
+                       what: str = "") -> dict:
+    """Two greedy answers to the same prompt, computed on different paths (another prefix
+    split, another kernel), are the same answer up to the numerics of their dtype.
+
+    ``got`` and ``want`` are chat completions asked with ``LOGPROBS``.  Their generated
+    tokens are walked in order:
+
+    * while the tokens are equal, each token's logprob in ``got`` is within ``tol`` (nats,
+      absolute) of its logprob in ``want``;
+    * at the first token where they differ, the divergence is accepted only if it is a
+      near-tie on both sides: each side's token is among the other's top candidates, the
+      two candidates are within ``tol`` of each other in each response, and each
+      candidate's logprob is within ``tol`` across the two responses (the same
+      distribution, its two leaders swapped).  The continuations then condition on
+      different tokens, and the walk stops there;
+    * so at least the first ``min_agree`` tokens agree, or the divergence among them is a
+      near-tie (from the first token on, if that is where it is).
+
+    A wrong prefix (K/V that are not the model's) moves the logprobs by far more than
+    ``tol`` from the first generated token, and fails.  Returns what was compared:
+    ``{"equal": tokens equal, "max_diff": largest |logprob difference| on them,
+    "diverged_at": index or None, "tie": the divergence's gaps}``."""
+    g, w = _logprob_entries(got), _logprob_entries(want)
+    tag = f"{what}: " if what else ""
+    report: dict = {"equal": 0, "max_diff": 0.0, "diverged_at": None, "tie": None}
+    for i, (a, b) in enumerate(zip(g, w)):
+        if a["token"] == b["token"]:
+            d = abs(float(a["logprob"]) - float(b["logprob"]))
+            report["max_diff"] = max(report["max_diff"], d)
+            assert d <= tol, (f"{tag}token {i} {a['token']!r}: logprob {a['logprob']:.4f} vs "
+                              f"{b['logprob']:.4f} (|diff| {d:.4f} > {tol})", report)
+            report["equal"] = i + 1
+            continue
+        ta, tb = _top(a), _top(b)
+        ok = a["token"] in tb and b["token"] in ta
+        gap_a = ta[a["token"]] - ta.get(b["token"], float("-inf"))   # in got: its pick ahead
+        gap_b = tb[b["token"]] - tb.get(a["token"], float("-inf"))   # in want: its pick ahead
+        drift = max(abs(ta.get(t, float("-inf")) - tb.get(t, float("inf")))
+                    for t in (a["token"], b["token"]))
+        report.update(diverged_at=i, tie={"gap_got": gap_a, "gap_want": gap_b,
+                                          "drift": drift})
+        ok = ok and gap_a < tol and gap_b < tol and drift <= tol
+        where = (f"within the first {min_agree} tokens" if i < min_agree
+                 else f"after {i} equal tokens")
+        assert ok, (f"{tag}the answers diverge at token {i} ({where}): {a['token']!r} vs "
+                    f"{b['token']!r}, not a near-tie within {tol} (top got {ta}, top want "
+                    f"{tb})", report)
+        return report
+    assert len(g) == len(w), (f"{tag}one answer stops after {min(len(g), len(w))} equal "
+                              f"tokens, the other goes on to {max(len(g), len(w))}", report)
+    assert (got["choices"][0]["message"]["content"]
+            == want["choices"][0]["message"]["content"]), (tag + "same tokens, other text")
+    return report
+
+
 def cached_tokens(resp: dict) -> int:
     d = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
     return int(d.get("cached_tokens") or 0)
