@@ -169,11 +169,17 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         self._tp = tp_rank(vllm_config, role == KVConnectorRole.WORKER)
         self._load_errors: set[int] = set()
         self._short_reqs: set[str] = set()       # requests whose load fell short this step
+        # the forward's progress: the attention layers vLLM reported done this step
+        # (save_kv_layer), out of all of them; a step that did not finish publishes nothing
+        self._layer_names: frozenset[str] = frozenset()
+        self._step_layers: set[str] = set()
+        self._layer_reports = False              # vLLM calls save_kv_layer here
         self._events: list["KVCacheEvent"] = []  # this step's, for vLLM's publisher
         # figures: cumulative (SHMKV_VLLM_STATS) and this interval's (vLLM's /metrics)
         self.stats: dict[str, float] = {
             "loaded_tokens": 0, "load_shortfall_tokens": 0, "saved_tokens": 0,
-            "save_errors": 0, "load_errors": 0, "load_seconds": 0.0, "save_seconds": 0.0}
+            "save_errors": 0, "unfinished_saves": 0, "load_errors": 0, "load_seconds": 0.0,
+            "save_seconds": 0.0}
         self._iv = ShmkvConnectorStats()
         self._gauges_at = 0.0
 

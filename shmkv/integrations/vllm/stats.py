@@ -14,6 +14,8 @@ Per instance (counters and histograms, vLLM's ``model_name``/``engine`` labels):
 ``vllm:shmkv_load_failures_total``                  loads that fell short (vLLM recomputed)
 ``vllm:shmkv_load_failed_tokens_total``             tokens those loads did not deliver
 ``vllm:shmkv_save_errors_total``                    saves that failed (full pool, ...)
+``vllm:shmkv_unfinished_saves_total``               saves not made: their step's forward
+                                                    did not complete (nothing published)
 ``vllm:shmkv_lookups_total``                        prefix lookups by the scheduler
 ``vllm:shmkv_lookup_hit_tokens_total``              tokens those lookups found
 ``vllm:shmkv_pending_waits_total``                  requests held back because another
@@ -53,6 +55,8 @@ COUNTERS: Mapping[str, str] = {
     "load_failures": "Loads from the shmkv segment that fell short (vLLM recomputed them).",
     "load_failed_tokens": "Tokens that loads from the shmkv segment did not deliver.",
     "save_errors": "Saves to the shmkv segment that failed (a full pool, ...).",
+    "unfinished_saves": "Saves not made because their step's forward did not complete "
+                        "(an exception, a stop): nothing of that step was published.",
     "lookups": "Prefix lookups in the shmkv segment by the scheduler.",
     "lookup_hit_tokens": "Tokens beyond the instance's own cache found in the segment.",
     "pending_waits": "Requests held back while another instance computed their prefix.",

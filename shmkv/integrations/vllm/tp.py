@@ -97,8 +97,10 @@ def _copy_all(conn, dst: torch.Tensor, vblk: torch.Tensor, sub: torch.Tensor,
         conn._layout.copy(t, kp, vp, conn._bs, dst, vblk, sub, to_vllm=to_vllm, head0=h0)
 
 
-def tp_save(conn, op) -> None:
-    """``ShmkvConnector._save`` of a TP rank (see the module docstring)."""
+def tp_save(conn, op, finished: bool = True) -> None:
+    """``ShmkvConnector._save`` of a TP rank (see the module docstring).  ``finished``:
+    this rank's forward completed; a rank whose forward did not votes no, and no rank
+    commits (every rank still takes part in the collectives: the others wait for it)."""
     tp: TPRank = conn._tp
     kv, bs = conn._kv, conn._bs
     end = len(op.tokens)
@@ -121,7 +123,7 @@ def tp_save(conn, op) -> None:
             log.warning("shmkv: save of %s failed on rank 0 (%s: %s)", op.req_id,
                         type(e).__name__, e)
             conn.stats["save_errors"] += 1
-    ok = 1
+    ok = int(finished)
     try:
         tp._bcast(hdr)
         have, n = int(hdr[0]), int(hdr[1])
@@ -141,8 +143,9 @@ def tp_save(conn, op) -> None:
             vblk, sub = vblk[have // bs:], sub[have // bs:]
             if len(dst) != len(vblk):
                 raise ValueError(f"{len(dst)} new shmkv blocks for {len(vblk)} pieces")
-            _copy_all(conn, dst, vblk, sub, False,
-                      fault_half=tp.rank == tp.size - 1 and _fault(op.salt, "kill_mid_save"))
+            if finished:
+                _copy_all(conn, dst, vblk, sub, False,
+                          fault_half=tp.rank == tp.size - 1 and _fault(op.salt, "kill_mid_save"))
         except Exception as e:
             ok = 0
             log.warning("shmkv: save of %s failed on rank %d (%s: %s)", op.req_id, tp.rank,

@@ -6,6 +6,15 @@ the blocks while they are copied; what is no longer there is reported through
 (``reserve(tokens=)``, copy every layer, then ``commit``: a block is findable only once all
 of its bytes are written).  A tensor-parallel rank copies its slice of the heads (tp.py).
 
+Only a step whose forward completed publishes.  vLLM calls ``wait_for_save`` from the
+``finally:`` of its step (``_get_kv_connector_output``), so also when the forward raised
+(SIGTERM turned into SystemExit in a worker, KeyboardInterrupt, an error in a layer): the
+step's blocks then hold the K/V of the layers that ran and stale bytes in the others.  So a
+save is made only when no exception is in flight (``sys.exc_info()`` inside that
+``finally``) and, where vLLM reports each attention layer done (``save_kv_layer``, called
+after the layer's attention), every layer reported it this step; otherwise the step
+publishes nothing (``unfinished_saves``) and its tokens are a miss for later requests.
+
 ``_WorkerHalf`` is a base of ``ShmkvConnector``; the fields it uses are set up by
 ``ShmkvConnector.__init__``."""
 from __future__ import annotations
@@ -14,6 +23,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -75,6 +85,7 @@ class _WorkerHalf:
         # fp8: the codes mean code * scale with this instance's scales (segment.py)
         check_fp8_scales(self._kv, *vllm_kv_scales(self._vllm_config, names))
         self._layers = [(kv_caches[n], *pool_tensors(self._kv, i)) for i, n in enumerate(names)]
+        self._layer_names = frozenset(names)
 
     def _self_test(self, dtype: torch.dtype) -> Optional[CpuLayout]:
         assert self._kv is not None
@@ -216,30 +227,56 @@ class _WorkerHalf:
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return              # saved in wait_for_save, from the tensors registered above
+        # saved in wait_for_save, from the tensors registered above; here only the
+        # forward's progress: this layer's attention ran, its K/V are in place
+        self._step_layers.add(layer_name)
+        self._layer_reports = True
+
+    def _forward_finished(self, written: set[str]) -> bool:
+        """Did this step's forward complete?  No exception in flight (vLLM calls
+        wait_for_save from a ``finally``), and every attention layer reported done where
+        vLLM reports layers (see the module docstring)."""
+        if sys.exc_info()[0] is not None:
+            return False
+        return not self._layer_reports or written >= self._layer_names
 
     def wait_for_save(self) -> None:
+        written, self._step_layers = self._step_layers, set()
         if self._layout is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, ShmkvConnectorMetadata)
         if not meta.saves:
             return
+        finished = self._forward_finished(written)
+        if not finished:
+            self.stats["unfinished_saves"] += len(meta.saves)
+            self._iv.count("unfinished_saves", len(meta.saves))
+            exc = sys.exc_info()[1]
+            log.warning("shmkv: this step's forward did not complete (%s): its %d saves "
+                        "publish nothing", f"{type(exc).__name__}" if exc is not None else
+                        f"{len(written)} of {len(self._layer_names)} layers done",
+                        len(meta.saves))
+            if self._tp is None:
+                self._dump_stats()
+                return
+            # tensor parallel: every rank still takes part in each save's collectives
+            # (the others wait for it), and none commits (tp_save's all-ranks vote)
         t0 = time.perf_counter()
         for op in meta.saves:
             # a request whose load fell short was computed this step on blocks that hold
             # no valid K/V: vLLM recomputes it, and saves it then (update_connector_output)
             if op.req_id not in self._short_reqs:
-                self._save(op)
+                self._save(op, finished)
         dt = time.perf_counter() - t0
         self.stats["save_seconds"] += dt
         self._iv.observe("save_seconds", dt)
         self._dump_stats()
 
-    def _save(self, op: SaveOp) -> None:
+    def _save(self, op: SaveOp, finished: bool = True) -> None:
         if self._tp is not None:            # this rank's slice of the heads (tp.py)
             saved, errors = self.stats["saved_tokens"], self.stats["save_errors"]
-            tp_save(self, op)
+            tp_save(self, op, finished)
             if self.stats["save_errors"] > errors:
                 self._iv.count("save_errors", self.stats["save_errors"] - errors)
             n = int(self.stats["saved_tokens"] - saved)

@@ -1,0 +1,132 @@
+"""A step whose forward did not complete publishes nothing.
+
+vLLM 0.32 calls the connector's ``wait_for_save`` from the ``finally:`` of its step
+(``_get_kv_connector_output``), so also when the forward raised: a SIGTERM turned into
+SystemExit in a worker, a KeyboardInterrupt, an error in a layer.  The step's vLLM blocks
+then hold the K/V of the layers that ran and stale bytes in the others, under the right
+token hashes: published, every instance would load them as hits.  A connector worker is
+driven here as vLLM's runner drives it (the real model's config, real KV tensors, vLLM's
+``save_kv_layer`` after each attention layer, ``wait_for_save`` in a ``finally``), without
+an engine: a complete step publishes, a step that stopped half-way through its layers or
+raised publishes nothing, and the connector counts it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import unique_name  # tests/conftest.py
+from vllm_helpers import VB, _model_dir
+
+try:
+    import vllm  # noqa: F401
+    HAVE_VLLM = True
+except Exception:
+    HAVE_VLLM = False
+
+pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
+
+
+@pytest.fixture()
+def worker():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    import shmkv
+    from shmkv.integrations.vllm import ShmkvConnector
+
+    path = _model_dir()
+    seg = unique_name("vllm-unfinished")
+    cfg = EngineArgs(model=path, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
+                     block_size=VB, kv_transfer_config=KVTransferConfig(
+                         kv_connector="ShmkvConnector",
+                         kv_connector_module_path="shmkv.integrations.vllm",
+                         kv_role="kv_both", kv_load_failure_policy="recompute",
+                         kv_connector_extra_config={"segment": seg, "num_blocks": 256})
+                     ).create_engine_config()
+    w = None
+    try:
+        w = ShmkvConnector(cfg, KVConnectorRole.WORKER, None)
+        kvc = w._kv.config
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(kvc.num_layers)]
+        g = torch.Generator().manual_seed(3)
+        tensors = {n: torch.randn(8, kvc.num_kv_heads, VB, 2 * kvc.head_dim,
+                                  generator=g).to(torch.bfloat16) for n in names}
+        w.register_kv_caches(tensors)
+        assert w._layout is not None
+        yield w, names, path
+    finally:
+        if w is not None:
+            w.shutdown()
+        try:
+            shmkv.KVCache.attach(seg).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _step(w, names, ops, layers_done, raise_exc=None):
+    """One step as vLLM's runner makes it: metadata bound, save_kv_layer after each layer
+    that ran, wait_for_save in the finally (with the forward's exception in flight)."""
+    from shmkv.integrations.vllm.connector import ShmkvConnectorMetadata
+
+    w.bind_connector_metadata(ShmkvConnectorMetadata(saves=ops))
+    try:
+        try:
+            for n in names[:layers_done]:
+                w.save_kv_layer(n, None, None)
+            if raise_exc is not None:
+                raise raise_exc
+        finally:
+            w.wait_for_save()
+            w.clear_connector_metadata()
+    except BaseException as e:
+        if e is not raise_exc:
+            raise
+
+
+def _hit(w, tokens, salt):
+    return w._kv.match_prefix(np.append(tokens, 0), salt)
+
+
+def test_a_forward_that_did_not_finish_publishes_nothing(worker):
+    from shmkv.integrations.vllm import request_salt
+    from shmkv.integrations.vllm.connector import SaveOp
+
+    w, names, path = worker
+    salt = request_salt(path)
+    rng = np.random.default_rng(5)
+    toks = [rng.integers(1, 30000, VB, dtype=np.int32) for _ in range(4)]
+    ops = [SaveOp(f"r{i}", t, salt, [i + 1]) for i, t in enumerate(toks)]
+    # a complete step publishes
+    _step(w, names, ops[:1], len(names))
+    assert _hit(w, toks[0], salt) == VB
+    # half of the layers ran, the rest raised (SystemExit: SIGTERM in a TP worker)
+    _step(w, names, ops[1:2], len(names) // 2, SystemExit(143))
+    assert _hit(w, toks[1], salt) == 0
+    # every layer ran, then the step raised (the sampler, a KeyboardInterrupt)
+    _step(w, names, ops[2:3], len(names), KeyboardInterrupt())
+    assert _hit(w, toks[2], salt) == 0
+    # half of the layers reported, no exception seen (a forward cut short another way)
+    _step(w, names, ops[3:4], len(names) // 2)
+    assert _hit(w, toks[3], salt) == 0
+    assert w.stats["unfinished_saves"] == 3 and w.stats["saved_tokens"] == VB, w.stats
+    assert w.stats["save_errors"] == 0
+    # and the next complete step publishes again
+    _step(w, names, ops[1:2], len(names))
+    assert _hit(w, toks[1], salt) == VB
+    assert w._kv.check() == []
+
+
+def test_a_runner_that_never_reports_layers_still_saves(worker):
+    """A vLLM whose runner does not call save_kv_layer (the hook is per attention op):
+    the exception check alone decides."""
+    from shmkv.integrations.vllm import request_salt
+    from shmkv.integrations.vllm.connector import SaveOp
+
+    w, names, path = worker
+    salt = request_salt(path)
+    t = np.arange(1, VB + 1, dtype=np.int32)
+    _step(w, names, [SaveOp("r", t, salt, [2])], 0, RuntimeError("in a layer"))
+    assert _hit(w, t, salt) == 0
+    _step(w, names, [SaveOp("r", t, salt, [2])], 0)
+    assert _hit(w, t, salt) == VB
