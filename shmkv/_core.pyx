@@ -27,8 +27,7 @@ from libc.string cimport memset
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
 from .config import CacheConfig, DTYPES, HASHES
-from ._shmfile import (ANY_OWNER, create_file, open_file, resolve_group, resolve_owners,
-                       shm_path)
+from ._shmfile import create_file, open_file, resolve_group, resolve_owners, shm_path
 from .errors import (CacheFullError, LockTimeout, SegmentError, SequenceNotFound,
                      ShmkvError)
 
@@ -144,9 +143,10 @@ cdef object cfg_object(const shmkv_config_t *c):
         event_capacity=c.event_capacity)
 
 
-def _open_existing(name, read_only, trusted=ANY_OWNER):
+def _open_existing(name, read_only, trusted=None):
     """A private fd of an existing segment (_shmfile.open_file: no link followed, a regular
-    file, owned by this user or one in ``trusted``; ANY_OWNER: the read-only inspectors).
+    file, owned by this user or one in ``trusted``; None, _shmfile.ANY_OWNER: no owner
+    rule, for the read-only inspectors).
     FileNotFoundError, PermissionError, UntrustedSegmentError or SegmentError."""
     fd, _ = open_file(shm_path(name), f"segment {name[1:]!r}", write=not read_only,
                       trusted=trusted)
