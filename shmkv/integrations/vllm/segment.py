@@ -132,7 +132,8 @@ def access_keys(extra: Mapping[str, Any]) -> tuple[frozenset, int, Optional[int]
             raise ValueError(f"shmkv: segment_mode: expected an octal mode such as "
                              f"\"0o660\", got {mode!r}") from None
     if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-        raise ValueError(f"shmkv: segment_mode: expected 0 <= mode <= 0o777, got {mode!r}")
+        got = oct(mode) if isinstance(mode, int) else repr(mode)
+        raise ValueError(f"shmkv: segment_mode: expected 0 <= mode <= 0o777, got {got}")
     try:
         gid = resolve_group(extra.get("segment_group"))
     except (TypeError, ValueError) as e:
