@@ -2,7 +2,14 @@
 from ._attention import get_num_threads, set_num_threads
 from .cache import KVCache
 from .config import CacheConfig
-from .errors import CacheFullError, LockTimeout, SegmentError, SequenceNotFound, ShmkvError
+from .errors import (
+    CacheFullError,
+    LockTimeout,
+    SegmentError,
+    SequenceNotFound,
+    ShmkvError,
+    UntrustedSegmentError,
+)
 
 __version__ = "0.1.0"
 
@@ -14,6 +21,7 @@ __all__ = [
     "SequenceNotFound",
     "SegmentError",
     "LockTimeout",
+    "UntrustedSegmentError",
     "set_num_threads",
     "get_num_threads",
     "RedisTier",

@@ -19,7 +19,6 @@ import threading
 import time
 
 import numpy as np
-import posix_ipc
 
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_WRITABLE
@@ -28,6 +27,7 @@ from libc.string cimport memset
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
 from .config import CacheConfig, DTYPES, HASHES
+from ._shmfile import create_file, open_file, resolve_group, resolve_owners, shm_path
 from .errors import (CacheFullError, LockTimeout, SegmentError, SequenceNotFound,
                      ShmkvError)
 
@@ -143,16 +143,13 @@ cdef object cfg_object(const shmkv_config_t *c):
         event_capacity=c.event_capacity)
 
 
-def _open_existing(name, read_only):
-    """A private fd of an existing segment; FileNotFoundError or PermissionError."""
-    try:
-        shm = posix_ipc.SharedMemory(name, read_only=read_only)
-    except posix_ipc.ExistentialError:
-        raise FileNotFoundError(f"segment {name!r} does not exist") from None
-    except posix_ipc.PermissionsError as e:
-        raise PermissionError(f"segment {name!r}: {e}") from None
-    fd = os.dup(shm.fd)
-    shm.close_fd()
+def _open_existing(name, read_only, trusted=None):
+    """A private fd of an existing segment (_shmfile.open_file: no link followed, a regular
+    file, owned by this user or one in ``trusted``; None, _shmfile.ANY_OWNER: no owner
+    rule, for the read-only inspectors).
+    FileNotFoundError, PermissionError, UntrustedSegmentError or SegmentError."""
+    fd, _ = open_file(shm_path(name), f"segment {name[1:]!r}", write=not read_only,
+                      trusted=trusted)
     return fd
 
 
@@ -346,7 +343,8 @@ cdef uint64_t _create_seed(object hash_seed) except? 0:
 
 
 cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populate,
-                       double timeout, bint recover=True, object hash_seed=None):
+                       double timeout, bint recover=True, object hash_seed=None,
+                       object gid=None, object trusted=frozenset()):
     """Opens (or creates) the named segment and returns this process's attachment."""
     cdef shmkv_config_t ccfg
     cdef shmkv_layout_t lay
@@ -360,14 +358,9 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
         ccfg = _cfg_struct(cfg)
         if shmkv_layout_compute(&ccfg, &lay) != SHMKV_OK:
             raise ValueError(f"config: the segment would be too large: {cfg!r}")
+        # O_EXCL, no link followed; the group, then exactly the mode (whatever the umask)
+        fd = create_file(shm_path(name), f"segment {name[1:]!r}", mode, gid)
         try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode)
-        except posix_ipc.ExistentialError:
-            raise FileExistsError(f"segment {name!r} already exists") from None
-        fd = os.dup(shm.fd)
-        shm.close_fd()
-        try:
-            os.fchmod(fd, mode)                         # exact, whatever the umask
             os.ftruncate(fd, lay.segment_size)
             try:
                 os.posix_fallocate(fd, 0, lay.segment_size)   # no SIGBUS later
@@ -383,12 +376,12 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
         except BaseException:
             os.close(fd)
             try:
-                posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.ExistentialError:
+                os.unlink(shm_path(name))
+            except OSError:
                 pass
             raise
     else:
-        fd = _open_existing(name, False)
+        fd = _open_existing(name, False, trusted)
         m = None
     try:
         stt = os.fstat(fd)
@@ -483,20 +476,24 @@ cdef class Segment:
 
     @classmethod
     def _create(cls, name, cfg, int mode=0o600, bint populate=True, double timeout=10.0,
-                hash_seed=None):
+                hash_seed=None, group=None):
         if not isinstance(cfg, CacheConfig):
             raise TypeError(f"config: expected CacheConfig, got {type(cfg).__name__}")
         if mode < 0 or mode > 0o777:
             raise ValueError(f"mode: expected 0 <= mode <= 0o777, got {oct(mode)}")
+        gid = resolve_group(group)
         cdef Segment self = cls.__new__(cls)
         self._bind(_open(_norm_name(name), True, cfg, mode, populate, timeout, True,
-                         hash_seed))
+                         hash_seed, gid))
         return self
 
     @classmethod
-    def _attach(cls, name, bint populate=True, double timeout=10.0, bint recover=True):
+    def _attach(cls, name, bint populate=True, double timeout=10.0, bint recover=True,
+                trusted_owners=None):
+        trusted = resolve_owners(trusted_owners)
         cdef Segment self = cls.__new__(cls)
-        self._bind(_open(_norm_name(name), False, None, 0, populate, timeout, recover))
+        self._bind(_open(_norm_name(name), False, None, 0, populate, timeout, recover,
+                         None, None, trusted))
         return self
 
     cdef int _reopen(self) except -1:
@@ -522,19 +519,16 @@ cdef class Segment:
     def unlink(self):
         """Remove the segment's name.  Attached processes keep working.  A name that is
         gone, or that now names another segment, is left alone."""
+        path = shm_path(self._att.name)
         try:
-            shm = posix_ipc.SharedMemory(self._att.name)
-        except posix_ipc.ExistentialError:
+            st = os.lstat(path)
+        except FileNotFoundError:
             return
-        try:
-            st = os.fstat(shm.fd)
-        finally:
-            shm.close_fd()
         if (st.st_dev, st.st_ino) != self._att.key:
             return
         try:
-            posix_ipc.unlink_shared_memory(self._att.name)
-        except posix_ipc.ExistentialError:
+            os.unlink(path)
+        except FileNotFoundError:
             pass
         from .pending import unlink_pending     # the segment's pending marks go with it
 

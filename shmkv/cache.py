@@ -32,7 +32,8 @@ class KVCache(DataOps):
 
     @classmethod
     def create(cls, name: str, config: CacheConfig, *, mode: int = 0o600,
-               prefault: bool = True, hash_seed: Optional[int] = None) -> "KVCache":
+               group: Optional[int | str] = None, prefault: bool = True,
+               hash_seed: Optional[int] = None) -> "KVCache":
         """Create a new segment.
 
         Parameters
@@ -42,6 +43,12 @@ class KVCache(DataOps):
         config : CacheConfig
         mode : int
             Permission bits of the segment, exact whatever the umask (default 0o600).
+            Its pending-marks table (``NAME.pending``, made by the vLLM connector) gets
+            the same mode and group.
+        group : str or int, optional
+            Give the segment to this group (a name or gid; this user must be a member)
+            before its mode is set: ``mode=0o660, group="llm"`` shares it with the
+            group's members (who attach it with ``trusted_owners=[this user]``).
         prefault : bool
             Map with MAP_POPULATE so the first decode step pays no page faults.
         hash_seed : int, optional
@@ -52,35 +59,55 @@ class KVCache(DataOps):
         Raises
         ------
         FileExistsError
-            The name exists already (of two racing creators, exactly one wins).
+            The name exists already, as anything (of two racing creators, exactly one
+            wins).  The file is made with ``O_CREAT | O_EXCL | O_NOFOLLOW``.
+        PermissionError
+            The group is not one of this user's.
         OSError
             ``/dev/shm`` cannot hold the segment (nothing is left behind).
         """
-        return cls._create(name, config, mode, prefault, 10.0, hash_seed)
+        return cls._create(name, config, mode, prefault, 10.0, hash_seed, group)
 
     @classmethod
     def attach(cls, name: str, *, prefault: bool = True, timeout: float = 10.0,
-               recover: bool = True) -> "KVCache":
+               recover: bool = True,
+               trusted_owners: Optional[int | str | Iterable[int | str]] = None
+               ) -> "KVCache":
         """Attach an existing segment.
 
         Waits up to ``timeout`` seconds for a segment whose creator is still building it.
         With ``recover`` (default) a recovery pass reclaims what dead processes left.
 
+        The segment must be a regular file (a link at the name is never followed) owned
+        by this process's user, or by one of ``trusted_owners`` (user names or uids, or
+        one string of them separated by commas).  Root gets the same rule: another
+        user's segment could hold planted K/V and would read every tenant's tokens.
+
         Raises
         ------
         FileNotFoundError
             No segment has that name.
+        UntrustedSegmentError
+            Another user owns the segment and is not in ``trusted_owners`` (the message
+            names the owner and the mode); a ``PermissionError`` too.
+        PermissionError
+            The system refuses this user read-write access (the message names the
+            owner and the mode).
         SegmentError
-            Not a shmkv segment, an incompatible layout version, or a corrupt header.
+            Not a shmkv segment (a link, a directory, a FIFO...), an incompatible
+            layout version, or a corrupt header.
         """
-        return cls._attach(name, prefault, timeout, recover)
+        return cls._attach(name, prefault, timeout, recover, trusted_owners)
 
     @classmethod
     def open(cls, name: str, config: CacheConfig, *, mode: int = 0o600,
-             prefault: bool = True, timeout: float = 10.0,
-             hash_seed: Optional[int] = None) -> "KVCache":
+             group: Optional[int | str] = None, prefault: bool = True,
+             timeout: float = 10.0, hash_seed: Optional[int] = None,
+             trusted_owners: Optional[int | str | Iterable[int | str]] = None
+             ) -> "KVCache":
         """Create the segment, or attach it if it exists (a race of many openers is
-        safe: one creates, the others wait for it to be ready).
+        safe: one creates, the others wait for it to be ready).  ``mode`` and ``group``
+        as :meth:`create`, ``trusted_owners`` as :meth:`attach`.
 
         Raises
         ------
@@ -89,11 +116,11 @@ class KVCache(DataOps):
         """
         while True:
             try:
-                return cls._create(name, config, mode, prefault, timeout, hash_seed)
+                return cls._create(name, config, mode, prefault, timeout, hash_seed, group)
             except FileExistsError:
                 pass
             try:
-                cache = cls._attach(name, prefault, timeout)
+                cache = cls._attach(name, prefault, timeout, True, trusted_owners)
             except FileNotFoundError:   # unlinked between the two calls: try again
                 continue
             if cache.config != config:

@@ -12,6 +12,7 @@ __all__ = [
     "SequenceNotFound",
     "SegmentError",
     "LockTimeout",
+    "UntrustedSegmentError",
 ]
 
 
@@ -45,3 +46,10 @@ class SegmentError(ShmkvError):
 
 class LockTimeout(ShmkvError, TimeoutError):
     """A lock stayed held by a live process for longer than the wait bound."""
+
+
+class UntrustedSegmentError(ShmkvError, PermissionError):
+    """The segment (or its pending table) is owned by another user whom the caller did not
+    name as trusted (``KVCache.attach(name, trusted_owners=[...])``).  The message names the
+    owner and the file's mode.  Being root is no exception: another user's file is refused.
+    """

@@ -31,6 +31,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._shmfile import Owners, open_or_create, resolve_owners, shm_path
+
 __all__ = ["PendingMarks", "prefix_keys", "pending_path", "unlink_pending", "MAX_TTL"]
 
 SHM_DIR = "/dev/shm"
@@ -89,12 +91,15 @@ def _start_time(pid: int) -> Optional[int]:
 class PendingMarks:
     """The pending marks of one segment, for this process (module docstring)."""
 
-    def __init__(self, segment: str) -> None:
+    def __init__(self, segment: str, *, trusted_owners: Owners = None) -> None:
         self.path = pending_path(segment)
         self._pid = os.getpid()
         start = _start_time(self._pid)
         self._start = 0 if start is None else start
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        # no link followed, a regular file of this user or a trusted one; a new table
+        # takes the segment's mode and group (_shmfile)
+        fd, _ = open_or_create(self.path, f"pending table of segment {segment!r}",
+                               resolve_owners(trusted_owners), like=shm_path(segment))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:

@@ -176,6 +176,9 @@ run `shmkv recover NAME`.""")
                     help="count sequences/blocks held by dead processes as problems")
     sp.add_argument("--timeout", type=float, default=10.0,
                     help="seconds to wait for a lock held by a live process (default 10)")
+    sp.add_argument("--trust", action="append", metavar="USER", default=None,
+                    help="attach even though USER (a user name or uid) owns the segment; "
+                         "another user's segment is refused otherwise, root included")
 
     sp = cmd("recover", "reclaim what dead processes held; print what was reclaimed",
              "Run a recovery pass: free the sequences and blocks of processes that died,\n"
@@ -185,6 +188,9 @@ run `shmkv recover NAME`.""")
     name_arg(sp)
     sp.add_argument("--timeout", type=float, default=10.0,
                     help="seconds to wait for a lock held by a live process (default 10)")
+    sp.add_argument("--trust", action="append", metavar="USER", default=None,
+                    help="attach even though USER (a user name or uid) owns the segment; "
+                         "another user's segment is refused otherwise, root included")
 
     presets = "\n".join(f"  {k:<12} {v[1]}" for k, v in PRESETS.items())
     sp = cmd("create", "create a segment from flags or a preset",
@@ -221,6 +227,8 @@ run `shmkv recover NAME`.""")
                          "(default 0: off)")
     sp.add_argument("--mode", type=lambda s: int(s, 8), default=0o600,
                     help="permission bits in octal (default 600; 660 lets the group attach)")
+    sp.add_argument("--group", metavar="GROUP",
+                    help="give the segment to GROUP (a name or gid) before setting --mode")
     sp.add_argument("--prefault", action="store_true",
                     help="touch every page now, so /dev/shm must hold it all at once")
 

@@ -27,7 +27,7 @@ def _recover_line(name, r):
 
 def cmd_recover(args):
     before = analyze(load(args.name))["dead"]
-    cache = attach(args.name, args.timeout)
+    cache = attach(args.name, args.timeout, args.trust)
     try:
         r = cache.recover()
     except LockTimeout:
@@ -47,7 +47,7 @@ def cmd_recover(args):
 def cmd_check(args):
     before = load(args.name, tables=True)
     dead_before = analyze(before)["dead"]
-    cache = attach(args.name, args.timeout)
+    cache = attach(args.name, args.timeout, args.trust)
     repair = None
     try:
         if args.repair:
@@ -120,12 +120,15 @@ def cmd_create(args):
     except ValueError as e:
         raise CLIError(f"create: {e}") from None
     try:
-        cache = KVCache.create(args.name, cfg, mode=args.mode, prefault=args.prefault)
+        cache = KVCache.create(args.name, cfg, mode=args.mode, group=args.group,
+                               prefault=args.prefault)
     except FileExistsError:
         raise CLIError(f"{args.name}: a segment with that name exists already "
                        f"(`shmkv info {args.name}`, or `shmkv rm {args.name}` first)") from None
     except PermissionError as e:
         raise CLIError(f"{args.name}: permission denied: {e}") from None
+    except (TypeError, ValueError) as e:            # an unknown --group
+        raise CLIError(f"create: {e}") from None
     except OSError as e:
         raise CLIError(f"{args.name}: cannot create ({fmt_bytes(cfg.segment_size())}): "
                        f"{e.strerror or e}") from None

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import fnmatch
 import os
+import stat
 import struct
 
 import numpy as np
@@ -47,9 +48,15 @@ def seg_path(name):
 
 def read_prefix(name):
     """(magic_ok, layout_version or None) from the first bytes of the file, or raise
-    FileNotFoundError / PermissionError."""
-    with open(seg_path(name), "rb") as f:
-        head = f.read(16)
+    FileNotFoundError / PermissionError.  Never follows a link and never blocks on a FIFO:
+    anything but a regular file is not a segment."""
+    fd = os.open(seg_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False, None
+        head = os.pread(fd, 16, 0)
+    finally:
+        os.close(fd)
     if len(head) < 8 or head[:8] != MAGIC_BYTES:
         return False, None
     version = struct.unpack_from("<I", head, 8)[0] if len(head) >= 12 else None
@@ -60,6 +67,8 @@ def classify_error(name, exc):
     """(state, one-line reason) for a SegmentError of `name`: 'not-shmkv', 'incompatible',
     'not-ready' or 'corrupt'."""
     text = str(exc)
+    if getattr(exc, "reason", None) == "not_a_file":       # a link, a directory, a FIFO...
+        return "not-shmkv", text.split(": ", 1)[1] if ": " in text else text
     try:
         magic_ok, version = read_prefix(name)
     except OSError:
@@ -124,7 +133,8 @@ def lock_holders(name):
     import fcntl
 
     try:
-        fd = os.open(seg_path(name), os.O_RDONLY)
+        # never a link; a FIFO planted at the name must not block the open
+        fd = os.open(seg_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -333,13 +343,20 @@ def scan(patterns=(), include_all=False):
     return out
 
 
-def attach(name, timeout):
-    """Attach (registering this process) without running recovery."""
+def attach(name, timeout, trust=None):
+    """Attach (registering this process) without running recovery; ``trust``: the
+    users (--trust) whose segment this may attach besides the caller's own."""
     from ..cache import KVCache
+    from ..errors import UntrustedSegmentError
 
     load(name, tables=False)            # fail fast, with the right message, on a bad segment
     try:
-        cache = KVCache.attach(name, prefault=False, timeout=timeout, recover=False)
+        cache = KVCache.attach(name, prefault=False, timeout=timeout, recover=False,
+                               trusted_owners=trust)
+    except UntrustedSegmentError as e:
+        raise CLIError(f"{name}: {e} (the CLI: --trust USER)") from None
+    except (TypeError, ValueError) as e:            # an unknown --trust user
+        raise CLIError(f"{name}: {e}") from None
     except LockTimeout:
         raise CLIError(f"{name}: timed out after {timeout}s waiting for the segment's lock "
                        "(a live process holds it)") from None

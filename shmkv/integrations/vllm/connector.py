@@ -200,12 +200,14 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         tier = tier_spec(extra)
         try:
             if tier is not None and role == KVConnectorRole.SCHEDULER and self._load_on:
-                self._lookups = TierLookups(self._spec.name, tier)
+                self._lookups = TierLookups(self._spec.name, tier,
+                                            trusted_owners=self._spec.trusted_owners)
             elif tier is not None and role == KVConnectorRole.WORKER and self._save_on:
                 self._kv.set_tier(tier.make(), read=False)    # commits write through
             if (role == KVConnectorRole.SCHEDULER and self._load_on and self._save_on
                     and bool(extra.get("pending", True))):
-                self._pending = PendingMarks(self._spec.name)
+                self._pending = PendingMarks(self._spec.name,
+                                             trusted_owners=self._spec.trusted_owners)
         except BaseException:
             self._kv.close()
             raise

@@ -39,6 +39,11 @@ class SegmentSpec:
     config: shmkv.CacheConfig       # what a new segment gets
     vllm_block_size: int
     hash_seed: Optional[int] = None  # a new segment's (hosts sharing a tier share it)
+    # the trust rule (shmkv/_shmfile.py): users besides this one whose segment (and pending
+    # table) this instance may use; a new segment's mode and group
+    trusted_owners: frozenset = frozenset()
+    mode: int = 0o600
+    group: Optional[int] = None
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -108,14 +113,44 @@ def vllm_kv_scales(vllm_config: "VllmConfig", layer_names: list) -> tuple[list, 
     return k, v
 
 
+def access_keys(extra: Mapping[str, Any]) -> tuple[frozenset, int, Optional[int]]:
+    """(trusted uids, mode, gid) from the extra config's ``trusted_owners`` (user names or
+    uids: a list, or one string separated by commas), ``segment_mode`` (an int or an octal
+    string, "0o660" / "660") and ``segment_group`` (a group name or gid); ValueError
+    naming the key."""
+    from shmkv._shmfile import resolve_group, resolve_owners
+
+    try:
+        trusted = resolve_owners(extra.get("trusted_owners"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"shmkv: {e}") from None
+    mode = extra.get("segment_mode", 0o600)
+    if isinstance(mode, str):
+        try:
+            mode = int(mode.removeprefix("0o"), 8)
+        except ValueError:
+            raise ValueError(f"shmkv: segment_mode: expected an octal mode such as "
+                             f"\"0o660\", got {mode!r}") from None
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        got = oct(mode) if isinstance(mode, int) else repr(mode)
+        raise ValueError(f"shmkv: segment_mode: expected 0 <= mode <= 0o777, got {got}")
+    try:
+        gid = resolve_group(extra.get("segment_group"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"shmkv: segment_{e}") from None
+    return trusted, mode, gid
+
+
 def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> SegmentSpec:
     """The segment's name and the config a new one gets, from the model and the extra
     config (``segment``, ``num_blocks`` | ``size_gib``, ``block_size``, ``max_seqs``,
-    ``hash_seed``; with a tier, tier.seed_for's default)."""
+    ``hash_seed``; with a tier, tier.seed_for's default; the access keys of
+    :func:`access_keys`)."""
     name = extra.get("segment")
     if not isinstance(name, str) or not name.strip("/"):
         raise ValueError("shmkv: kv_connector_extra_config needs \"segment\": a segment name, "
                          f"got {name!r}")
+    trusted, mode, gid = access_keys(extra)
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
     if pp != 1:
@@ -150,7 +185,8 @@ def segment_spec(vllm_config: "VllmConfig", extra: Mapping[str, Any]) -> Segment
                             max_seqs=max_seqs,
                             event_capacity=int(extra.get("event_capacity", 4096)))
     return SegmentSpec(name=name, config=cfg, vllm_block_size=vb,
-                       hash_seed=seed_for(extra, tier_spec(extra)))
+                       hash_seed=seed_for(extra, tier_spec(extra)),
+                       trusted_owners=trusted, mode=mode, group=gid)
 
 
 def check_fit(cfg: shmkv.CacheConfig, want: shmkv.CacheConfig, vb: int, name: str) -> None:
@@ -165,15 +201,16 @@ def check_fit(cfg: shmkv.CacheConfig, want: shmkv.CacheConfig, vb: int, name: st
 
 
 def open_segment(spec: SegmentSpec) -> shmkv.KVCache:
-    """Attach the segment if it exists (it must fit), else create it (racing creators are
-    safe: one wins, the others attach)."""
+    """Attach the segment if it exists (it must fit, and be this user's or a trusted
+    one's: UntrustedSegmentError naming the owner), else create it with the spec's mode
+    and group (racing creators are safe: one wins, the others attach)."""
     while True:
         try:
-            kv = shmkv.KVCache.attach(spec.name)
+            kv = shmkv.KVCache.attach(spec.name, trusted_owners=spec.trusted_owners)
         except FileNotFoundError:
             try:
-                return shmkv.KVCache.create(spec.name, spec.config,
-                                            hash_seed=spec.hash_seed)
+                return shmkv.KVCache.create(spec.name, spec.config, mode=spec.mode,
+                                            group=spec.group, hash_seed=spec.hash_seed)
             except FileExistsError:
                 continue                # another instance created it meanwhile: attach
         try:

@@ -90,9 +90,10 @@ def seed_for(extra: Mapping[str, Any], tier: Optional[TierSpec]) -> Optional[int
 class TierLookups:
     """The scheduler's background tier lookups (one thread, one handle of its own)."""
 
-    def __init__(self, segment: str, spec: TierSpec) -> None:
+    def __init__(self, segment: str, spec: TierSpec, *,
+                 trusted_owners: frozenset = frozenset()) -> None:
         self._spec = spec
-        self._kv = shmkv.KVCache.attach(segment)
+        self._kv = shmkv.KVCache.attach(segment, trusted_owners=trusted_owners)
         try:
             self._kv.set_tier(spec.make(), write=False)
         except BaseException:

@@ -1,0 +1,74 @@
+"""The connector's access keys (trusted_owners, segment_mode, segment_group) at the level of
+segment.py's functions: no engine is started.  Another user's segment is made by chown,
+so the refusal cases need root (CI runs as root)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+
+import pytest
+
+import shmkv
+
+NOBODY = 65534
+SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=64, block_size=4,
+             max_seqs=32)
+
+
+@pytest.fixture
+def spec_for():
+    from shmkv.integrations.vllm.segment import SegmentSpec, access_keys
+
+    made = []
+
+    def make(**extra):
+        name = f"shmkv-test-vtrust-{os.getpid()}-{len(made)}"
+        made.append(name)
+        trusted, mode, gid = access_keys(extra)
+        return SegmentSpec(name=name, config=shmkv.CacheConfig(**SMALL), vllm_block_size=16,
+                           trusted_owners=trusted, mode=mode, group=gid)
+
+    try:
+        yield make
+    finally:
+        for n in made:
+            for p in (f"/dev/shm/{n}", f"/dev/shm/{n}.pending"):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+
+
+def test_access_keys_parse_and_name_bad_values():
+    from shmkv.integrations.vllm.segment import access_keys
+
+    assert access_keys({}) == (frozenset(), 0o600, None)
+    assert access_keys({"trusted_owners": "root,65534", "segment_mode": "0o660",
+                        "segment_group": "0"}) == (frozenset({0, NOBODY}), 0o660, 0)
+    assert access_keys({"trusted_owners": [NOBODY], "segment_mode": 0o640})[:2] == (
+        frozenset({NOBODY}), 0o640)
+    with pytest.raises(ValueError, match="no user named 'no-such-user-x'"):
+        access_keys({"trusted_owners": ["no-such-user-x"]})
+    with pytest.raises(ValueError, match="segment_mode"):
+        access_keys({"segment_mode": "rw-rw----"})
+    with pytest.raises(ValueError, match="segment_mode"):
+        access_keys({"segment_mode": 0o1777})
+    with pytest.raises(ValueError, match="segment_group: no group named"):
+        access_keys({"segment_group": "no-such-group-x"})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's file needs root")
+def test_open_segment_refuses_another_users_segment_unless_trusted(spec_for):
+    from shmkv.integrations.vllm.segment import open_segment
+
+    spec = spec_for(segment_mode="0o660", segment_group=NOBODY)
+    with open_segment(spec):                         # created: the spec's mode and group
+        st = os.stat(f"/dev/shm/{spec.name}")
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, NOBODY)
+    os.chown(f"/dev/shm/{spec.name}", NOBODY, -1)
+    with pytest.raises(shmkv.UntrustedSegmentError, match=r"nobody \(uid 65534\).*0o660"):
+        open_segment(spec)
+    trusting = dataclasses.replace(spec, trusted_owners=frozenset({NOBODY}))
+    with open_segment(trusting) as kv:
+        assert kv.config == spec.config
