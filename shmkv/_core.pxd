@@ -49,6 +49,7 @@ cdef extern from "kernels/kernels.h" nogil:
     ctypedef struct shmkv_dbg_t:
         int crash_id
         long crash_countdown
+        int crash_stop
         int plant
     shmkv_dbg_t *shmkv_dbg          # this module's pointer: bind it with bind_debug_state()
     shmkv_dbg_t shmkv_dbg_local     # this module's own copy (the one _core's pointer keeps)

@@ -570,16 +570,19 @@ cdef shmkv_dbg_t *debug_state() noexcept:
     return &shmkv_dbg_local
 
 
-def set_crash_point(name, long countdown=1):
+def set_crash_point(name, long countdown=1, bint stop=False):
     """Arm a crash point in this process: the `countdown`-th time execution passes the
-    named point, the process calls _exit(86) right there.  None disarms.  For the chaos
-    harness; see CRASH_POINTS.  Also armed from the environment at import:
+    named point, the process calls _exit(86) right there -- or, with `stop`, stops itself
+    there (SIGSTOP: a holder of that point's locks that is alive but not running; after
+    SIGCONT it goes on, disarmed).  None disarms.  For the chaos harness and the bounded
+    waits' tests; see CRASH_POINTS.  Also armed from the environment at import:
     SHMKV_CRASH_POINT=name[:countdown]."""
     cdef int i = _switch(name, CRASH_POINTS, "crash point")
     if i and countdown < 1:
         raise ValueError(f"countdown: expected >= 1, got {countdown}")
     if i:
         debug_state().crash_countdown = countdown
+    debug_state().crash_stop = stop
     debug_state().crash_id = i
 
 

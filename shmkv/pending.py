@@ -14,7 +14,18 @@ segment): a fixed open-addressing table of 4096 records ``(key, pid, start, expi
   ``expires`` (``CLOCK_MONOTONIC``, one clock for the whole host) has passed, is no mark:
   it is reused by the next claim.  Nothing has to clean up after a killed process.
 * Every read and write happens under ``flock`` on the object's descriptor, which the
-  kernel drops when its holder dies: a killed process never leaves the table locked.
+  kernel drops when its holder dies: a killed process never leaves the table locked.  A
+  *stopped* one (Ctrl-Z, a debugger, ``docker pause``) can, so no wait for the lock is
+  unbounded: an operation that does not get it within ``timeout`` (default
+  :data:`LOCK_TIMEOUT`, 50 ms, on ``time.monotonic``) answers "no marks" -- a miss: the
+  caller computes -- and is counted (:attr:`PendingMarks.timeouts`).
+* The creator makes the file with ``O_EXCL``, reserves its memory (``posix_fallocate``:
+  a full ``/dev/shm`` is an error at open, never a SIGBUS at a later store) and writes the
+  header (magic, slots, format :data:`VERSION`) last; nobody follows a symbolic link.  A
+  file without a header is finished by whoever opens it first; one that is not a table
+  (a symlink, not a regular file, the wrong size, no magic, another version) raises
+  :class:`PendingTableError`, and :class:`EngineMarks` turns the marks off with one
+  warning on it while the engine serves on.
 * Nothing read from the table is trusted beyond its own record: a record is a mark only
   if its owner is a live process with the recorded start time and its deadline is within
   :data:`MAX_TTL` of now.  A corrupted table can make a caller wait (up to its own bound)
@@ -22,26 +33,40 @@ segment): a fixed open-addressing table of 4096 records ``(key, pid, start, expi
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
+import stat
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._shmfile import Owners, open_or_create, resolve_owners, shm_path
+from ._shmfile import Owners, check_owner, create_file, resolve_owners, shm_path
+from .errors import SegmentError
 
-__all__ = ["PendingMarks", "prefix_keys", "pending_path", "unlink_pending", "MAX_TTL"]
+__all__ = ["PendingMarks", "PendingTableError", "EngineMarks", "prefix_keys", "pending_path",
+           "unlink_pending", "MAX_TTL", "LOCK_TIMEOUT", "OPEN_TIMEOUT", "VERSION"]
 
 SHM_DIR = "/dev/shm"
 SLOTS = 4096
 PROBES = 32                     # linear probing stops here: a crowded table marks less
 MAX_TTL = 3600.0                # a deadline further away than this is garbage
+LOCK_TIMEOUT = 0.05             # s: the longest a mark operation waits for the table's lock
+OPEN_TIMEOUT = 1.0              # s: the longest opening waits for a table being laid out
+VERSION = 1                     # the table's format (header and records)
 _MAGIC = 0x53484B5650454E44     # "SHKVPEND"
-_HEADER = 64
+_HEADER = 64                    # magic u64, slots u32, version u32, then zeros
 _REC = np.dtype([("key", "<u8"), ("pid", "<i8"), ("start", "<u8"), ("expires", "<f8")])
+_SIZE = _HEADER + SLOTS * _REC.itemsize
+
+
+def _header() -> bytes:
+    return (_MAGIC.to_bytes(8, "little") + SLOTS.to_bytes(4, "little")
+            + VERSION.to_bytes(4, "little"))
 
 
 def pending_path(segment: str) -> str:
@@ -88,50 +113,208 @@ def _start_time(pid: int) -> Optional[int]:
         return None
 
 
-class PendingMarks:
-    """The pending marks of one segment, for this process (module docstring)."""
+class PendingTableError(SegmentError, ValueError):
+    """``NAME.pending`` cannot serve as this segment's pending marks.
 
-    def __init__(self, segment: str, *, trusted_owners: Owners = None) -> None:
+    ``path`` is the file; ``reason`` says why, for tools and logs: ``"symlink"``,
+    ``"not_regular"`` (a directory, a FIFO, ...), ``"size"`` (not the table's size),
+    ``"garbage"`` (no table's magic), ``"version"`` (another table format), ``"no_space"``
+    (the table's memory could not be reserved: a full ``/dev/shm``), ``"busy"`` (a process
+    held its lock past the bound while it was being laid out) or ``"os"`` (another
+    ``OSError``); ``fix`` is what to do about it, in words.  A serving engine turns its
+    pending marks off on this error (:class:`EngineMarks`) and serves on.
+    """
+
+    def __init__(self, path: str, reason: str, cause: str, fix: Optional[str] = None) -> None:
+        self.path, self.reason, self.cause = path, reason, cause
+        self.fix = fix or (f"remove it (rm {path}): processes that have it open keep theirs, "
+                           "the next one to start lays out a fresh table")
+        super().__init__(f"{path}: not a pending-marks table: {cause}; {self.fix}",
+                         reason=reason)
+
+
+def _lock_nb(fd: int, op: int, timeout: float) -> bool:
+    """``flock(fd, op)``, waiting at most ``timeout`` seconds (``time.monotonic``): a
+    non-blocking attempt, then attempts between short sleeps (0.1 ms doubling to 5 ms).
+    False if the lock was not had in time (nothing held)."""
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        pass
+    deadline = time.monotonic() + timeout
+    nap = 1e-4
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(nap, left))
+        nap = min(nap * 2, 5e-3)
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+
+
+class PendingMarks:
+    """The pending marks of one segment, for this process (module docstring).
+
+    ``timeout`` bounds every wait for the table's lock in :meth:`claim`, :meth:`held`,
+    :meth:`release` and :meth:`marks` (seconds, ``time.monotonic``; default
+    :data:`LOCK_TIMEOUT`): a lock not had in time answers as if there were no marks (a
+    miss: the caller computes) and adds one to :attr:`timeouts`.  ``open_timeout`` bounds
+    the wait for the lock while the table is laid out (default :data:`OPEN_TIMEOUT`).
+    A file that is not a table raises :class:`PendingTableError`.
+
+    The table follows the trust rule of ``KVCache.attach``: another user's file is refused
+    (``UntrustedSegmentError``) unless its owner is in ``trusted_owners``; a new table takes
+    the segment's mode and group."""
+
+    def __init__(self, segment: str, timeout: float = LOCK_TIMEOUT,
+                 open_timeout: float = OPEN_TIMEOUT, *, trusted_owners: Owners = None) -> None:
+        if not (0 <= timeout <= 60 and 0 <= open_timeout <= 60):
+            raise ValueError(f"timeout, open_timeout: expected seconds in [0, 60], got "
+                             f"{timeout}, {open_timeout}")
         self.path = pending_path(segment)
+        self._segment = segment
+        self._trusted = resolve_owners(trusted_owners)
+        self.timeout = float(timeout)
+        self.timeouts = 0               # lock waits that ran past the bound (no marks)
         self._pid = os.getpid()
         start = _start_time(self._pid)
         self._start = 0 if start is None else start
-        # no link followed, a regular file of this user or a trusted one; a new table
-        # takes the segment's mode and group (_shmfile)
-        fd, _ = open_or_create(self.path, f"pending table of segment {segment!r}",
-                               resolve_owners(trusted_owners), like=shm_path(segment))
+        fd = self._open(float(open_timeout))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                size = _HEADER + SLOTS * _REC.itemsize
-                if os.fstat(fd).st_size == 0:          # the first process lays it out
-                    os.ftruncate(fd, size)
-                    os.pwrite(fd, _MAGIC.to_bytes(8, "little") +
-                              SLOTS.to_bytes(4, "little"), 0)
-                got = os.fstat(fd).st_size
-                head = os.pread(fd, 12, 0)
-                if (got != size or int.from_bytes(head[:8], "little") != _MAGIC
-                        or int.from_bytes(head[8:12], "little") != SLOTS):
-                    raise ValueError(f"{self.path}: not a pending-marks table (size {got}, "
-                                     f"expected {size} with magic {_MAGIC:#x})")
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            self._mm = mmap.mmap(fd, size)
+            self._mm = mmap.mmap(fd, _SIZE)
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
         self._recs = np.frombuffer(self._mm, dtype=_REC, count=SLOTS, offset=_HEADER)
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            del self._recs
+    # ------------------------------------------------------------------ opening
+    def _error(self, reason: str, cause: str, fix: Optional[str] = None) -> PendingTableError:
+        return PendingTableError(self.path, reason, cause, fix)
+
+    def _open(self, bound: float) -> int:
+        """A descriptor of the table, laid out and checked (the file is made if missing)."""
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        made = False
+        fd = -1
+        for _ in range(8):              # made and removed by others meanwhile: try again
             try:
-                self._mm.close()
-            except BufferError:         # a caller still holds a view: unmapped with it
+                fd = os.open(self.path, flags)
+                break
+            except FileNotFoundError:
                 pass
-            os.close(self._fd)
-            self._fd = -1
+            except OSError as e:
+                raise self._os_error(e) from None
+            try:                        # the creator: the file is ours to lay out
+                mode, gid = self._new_mode()
+                fd = create_file(self.path, self._label(), mode, gid)   # O_EXCL, O_NOFOLLOW
+                made = True
+                break
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise self._os_error(e) from None
+        if fd < 0:
+            raise self._error("os", "it was made and removed again eight times while this "
+                              "process opened it", "try again")
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                # another user's table: UntrustedSegmentError unless trusted (_shmfile)
+                check_owner(st, self.path, self._label(), self._trusted)
+            self._check(fd, made, bound)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _label(self) -> str:
+        return f"pending table of segment {self._segment!r}"
+
+    def _new_mode(self) -> Tuple[int, Optional[int]]:
+        """(mode, group) of a new table: the segment's, when the segment is a regular file
+        of a trusted owner (a group-shared fleet's table is shared the same way), else
+        (0o600, None)."""
+        try:
+            ref = os.lstat(shm_path(self._segment))
+        except OSError:
+            return 0o600, None
+        if not stat.S_ISREG(ref.st_mode) or (ref.st_uid != os.geteuid()
+                                             and ref.st_uid not in self._trusted):
+            return 0o600, None
+        mode = stat.S_IMODE(ref.st_mode) & 0o666
+        gid = ref.st_gid if mode & 0o070 and ref.st_gid != os.getegid() else None
+        return mode, gid
+
+    def _os_error(self, e: OSError) -> PendingTableError:
+        if e.errno == errno.ELOOP:
+            return self._error("symlink", "it is a symbolic link (never followed)")
+        if e.errno == errno.EISDIR:
+            return self._error("not_regular", "it is a directory")
+        return self._error("os", f"{type(e).__name__}: {e}",
+                           f"check {SHM_DIR}'s permissions, or remove {self.path}")
+
+    def _check(self, fd: int, made: bool, bound: float) -> None:
+        """Lay the table out if it has no header yet (under its lock), then check it.  The
+        header (magic, slots, version) is written last, after the file has its size and its
+        memory (``posix_fallocate``): a file without one was never finished -- its
+        creator died, or is still at it -- and is finished here, under the lock, by
+        whoever gets the lock first (laying out is idempotent)."""
+        if self._checked(fd, os.fstat(fd), final=False):
+            return                      # a finished table: the common case, no lock
+        if not _lock_nb(fd, fcntl.LOCK_EX, bound):
+            raise self._error("busy", f"a process held its lock for over {bound:g} s while "
+                              "it was being laid out (a stopped process?)",
+                              "resume or end that process, or remove the file")
+        try:
+            st = os.fstat(fd)
+            if st.st_size in (0, _SIZE) and stat.S_ISREG(st.st_mode) and not any(
+                    os.pread(fd, _HEADER, 0)):
+                try:
+                    os.posix_fallocate(fd, 0, _SIZE)    # no SIGBUS at a first store later
+                except OSError as e:
+                    if made:
+                        os.unlink(self.path)            # ours: the next start tries again
+                    if e.errno == errno.ENOSPC:
+                        raise self._error(
+                            "no_space", f"no room for its {_SIZE} bytes in {SHM_DIR} "
+                            "(ENOSPC)", f"free or enlarge {SHM_DIR} (df -h {SHM_DIR})"
+                        ) from None
+                    raise self._os_error(e) from None
+                os.pwrite(fd, _header(), 0)
+                st = os.fstat(fd)
+            self._checked(fd, st, final=True)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _checked(self, fd: int, st: os.stat_result, final: bool) -> bool:
+        """Whether ``fd`` is a finished table; with ``final``, a PendingTableError if not."""
+        if not stat.S_ISREG(st.st_mode):
+            raise self._error("not_regular", f"not a regular file (mode {st.st_mode:#o})")
+        if st.st_size != _SIZE:
+            if not final:
+                return False
+            raise self._error("size", f"{st.st_size} bytes, expected {_SIZE}")
+        head = os.pread(fd, _HEADER, 0)
+        magic = int.from_bytes(head[0:8], "little")
+        slots = int.from_bytes(head[8:12], "little")
+        version = int.from_bytes(head[12:16], "little")
+        if magic == _MAGIC and slots == SLOTS and version in (0, VERSION):
+            return True                 # 0: written before the version field, same records
+        if not final:
+            return False
+        if magic != _MAGIC:
+            raise self._error("garbage", f"magic {magic:#x}, expected {_MAGIC:#x}")
+        raise self._error("version", f"format version {version} with {slots} slots, this "
+                          f"shmkv reads version {VERSION} with {SLOTS} slots (another shmkv "
+                          "version's table)",
+                          "run one shmkv version per segment, or remove the file once the "
+                          "other version's processes are gone")
 
     # ------------------------------------------------------------------ internals
     def _live(self, rec: np.void, now: float, alive: Dict[Tuple[int, int], bool]) -> bool:
@@ -178,15 +361,37 @@ class PendingMarks:
         return int(rec["pid"]) == self._pid and int(rec["start"]) == self._start
 
     # ------------------------------------------------------------------ the API
+    def close(self) -> None:
+        if self._fd >= 0:
+            del self._recs
+            try:
+                self._mm.close()
+            except BufferError:         # a caller still holds a view: unmapped with it
+                pass
+            os.close(self._fd)
+            self._fd = -1
+
+    def _lock(self, op: int) -> bool:
+        """The table's lock within :attr:`timeout`; False (counted) if not had in time."""
+        if self._fd < 0:
+            raise ValueError(f"{self.path}: the pending marks are closed")
+        if _lock_nb(self._fd, op, self.timeout):
+            return True
+        self.timeouts += 1
+        return False
+
     def claim(self, keys: Sequence[int], ttl: float) -> int:
         """If ``keys[0]`` is marked by another live process: the number of leading keys so
         marked, and nothing changes (the caller waits or computes).  Else 0, and every key
-        not marked by another process is now marked by this one for ``ttl`` seconds."""
+        not marked by another process is now marked by this one for ``ttl`` seconds --
+        unless the table's lock was not had within :attr:`timeout`: then 0 too (a miss:
+        the caller computes), nothing is marked, and :attr:`timeouts` counts it."""
         if not len(keys):
             return 0
         if not 0 < ttl <= MAX_TTL:
             raise ValueError(f"ttl: expected 0 < ttl <= {MAX_TTL}, got {ttl}")
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if not self._lock(fcntl.LOCK_EX):
+            return 0
         try:
             now = time.monotonic()
             alive: Dict[Tuple[int, int], bool] = {}
@@ -208,20 +413,24 @@ class PendingMarks:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def held(self, keys: Sequence[int]) -> int:
-        """How many leading ``keys`` other live processes mark (0: none; nothing changes)."""
+        """How many leading ``keys`` other live processes mark (0: none; nothing changes).
+        0 as well if the table's lock was not had within :attr:`timeout` (counted)."""
         if not len(keys):
             return 0
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        if not self._lock(fcntl.LOCK_SH):
+            return 0
         try:
             return self._leading(keys, time.monotonic(), {})
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def release(self, keys: Sequence[int]) -> int:
-        """Drop this process's marks on ``keys``; the number dropped."""
+        """Drop this process's marks on ``keys``; the number dropped (0 if the lock was not
+        had within :attr:`timeout`, counted: the marks then expire at their deadline)."""
         if not len(keys):
             return 0
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if not self._lock(fcntl.LOCK_EX):
+            return 0
         try:
             now = time.monotonic()
             alive: Dict[Tuple[int, int], bool] = {}
@@ -237,8 +446,10 @@ class PendingMarks:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def marks(self) -> List[Tuple[int, int, float]]:
-        """Every live mark: ``(key, pid, seconds left)`` (inspection, tests)."""
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        """Every live mark: ``(key, pid, seconds left)`` (inspection, tests); empty if the
+        lock was not had within :attr:`timeout` (counted)."""
+        if not self._lock(fcntl.LOCK_SH):
+            return []
         try:
             now = time.monotonic()
             alive: Dict[Tuple[int, int], bool] = {}
@@ -246,3 +457,93 @@ class PendingMarks:
                     for r in self._recs if int(r["key"]) and self._live(r, now, alive)]
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+class EngineMarks:
+    """Pending marks for a serving engine (the vLLM connector's scheduler): nothing here
+    raises or blocks past the bound.  A table that cannot be opened
+    (:class:`PendingTableError`, ``OSError``) or an operation that fails turns the marks
+    off with ONE warning on ``log`` naming the file, the cause and the fix; from then on
+    (:attr:`on` false) every operation answers "no marks" -- the engine computes what it
+    would have waited for, as without marks, and the rest of the cache stays on.  A lock
+    not had within ``timeout`` answers "no marks" for that call only
+    (:attr:`lock_timeouts`)."""
+
+    def __init__(self, segment: str, log: logging.Logger, timeout: float = LOCK_TIMEOUT,
+                 open_timeout: float = OPEN_TIMEOUT, *, trusted_owners: Owners = None) -> None:
+        self._log = log
+        self._timeouts_at_off = 0
+        self.marks: Optional[PendingMarks] = None
+        self.off_reason: Optional[str] = None
+        try:
+            self.marks = PendingMarks(segment, timeout=timeout, open_timeout=open_timeout,
+                                      trusted_owners=trusted_owners)
+        except PendingTableError as e:
+            self._off(f"{e.path}: {e.cause}", e.fix)
+        except (OSError, ValueError) as e:
+            self._off(f"{_path_or(segment)}: {type(e).__name__}: {e}",
+                      f"check that {SHM_DIR} is writable, or remove the file")
+
+    @property
+    def on(self) -> bool:
+        return self.marks is not None
+
+    @property
+    def lock_timeouts(self) -> int:
+        """Operations that answered "no marks" because the table's lock stayed held."""
+        return self.marks.timeouts if self.marks is not None else self._timeouts_at_off
+
+    def _off(self, cause: str, fix: str) -> None:
+        self.off_reason = cause
+        self._log.warning("shmkv: pending marks are OFF for this engine (%s); fix: %s.  The "
+                          "shared cache stays on; a prefix another instance is computing is "
+                          "computed here too", cause, fix)
+        if self.marks is not None:
+            self._timeouts_at_off = self.marks.timeouts
+            m, self.marks = self.marks, None
+            try:
+                m.close()
+            except Exception:           # closing a broken table: nothing more to lose
+                pass
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        path = self.marks.path if self.marks is not None else "the pending table"
+        self._off(f"{path}: {what} failed ({type(e).__name__}: {e})",
+                  f"remove {path} if it persists (new processes lay out a fresh one)")
+
+    def held(self, keys: Sequence[int]) -> int:
+        if self.marks is not None:
+            try:
+                return self.marks.held(keys)
+            except Exception as e:
+                self._failed("reading the marks", e)
+        return 0
+
+    def claim(self, keys: Sequence[int], ttl: float) -> int:
+        """As :meth:`PendingMarks.claim`; off: 0, nothing marked."""
+        if self.marks is not None:
+            try:
+                return self.marks.claim(keys, ttl)
+            except Exception as e:
+                self._failed("marking", e)
+        return 0
+
+    def release(self, keys: Sequence[int]) -> int:
+        if self.marks is not None:
+            try:
+                return self.marks.release(keys)
+            except Exception as e:
+                self._failed("dropping marks", e)
+        return 0
+
+    def close(self) -> None:
+        if self.marks is not None:
+            m, self.marks = self.marks, None
+            m.close()
+
+
+def _path_or(segment: str) -> str:
+    try:
+        return pending_path(segment)
+    except ValueError:
+        return f"the pending table of {segment!r}"

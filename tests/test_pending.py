@@ -1,12 +1,16 @@
 """Pending marks (shmkv.pending): a prefix being computed is seen by other processes, a dead
-owner's marks are no marks, a corrupted table cannot make a reader fail, and the marks go
-with the segment when it is unlinked."""
+owner's marks are no marks, a corrupted table cannot make a reader fail, the marks go
+with the segment when it is unlinked; a stopped holder of the table's lock delays nobody
+past the bound, and a file that is not a table turns only the marks off, with one warning."""
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -14,7 +18,19 @@ import pytest
 from conftest import unique_name
 
 import shmkv
-from shmkv.pending import MAX_TTL, PendingMarks, pending_path, prefix_keys, unlink_pending
+from shmkv.pending import (
+    MAX_TTL,
+    VERSION,
+    EngineMarks,
+    PendingMarks,
+    PendingTableError,
+    pending_path,
+    prefix_keys,
+    unlink_pending,
+)
+
+_SIZE = 64 + 4096 * 32          # the table's bytes: header, 4096 records of 32 bytes
+_MAGIC = 0x53484B5650454E44
 
 
 @pytest.fixture
@@ -23,6 +39,9 @@ def seg():
     try:
         yield name
     finally:
+        path = pending_path(name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
         unlink_pending(name)
 
 
@@ -171,3 +190,264 @@ def test_unlink_removes_the_marks_with_the_segment(seg):
     assert r.returncode == 0, r.stderr
     assert not os.path.exists(pending_path(seg))
     assert not os.path.exists("/dev/shm/" + seg)
+
+
+# ---------------------------------------------------------------- a stopped lock holder
+_HOLDER = """
+import fcntl, os, signal, sys
+from shmkv.pending import PendingMarks
+p = PendingMarks(sys.argv[1])
+fcntl.flock(p._fd, fcntl.LOCK_EX)       # the table's lock, as inside claim()
+print("locked", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)    # Ctrl-Z, a debugger, docker pause
+"""
+
+
+def _wait_stopped(pid, bound=30.0):
+    """Until process ``pid`` is stopped (state T in /proc/PID/stat)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < bound:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        if stat[stat.rindex(b")") + 2:].split()[0] in (b"T", b"t"):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {bound} s")
+
+
+def _returns(fn, hang_s=5.0):
+    """fn()'s result, called in a thread: a call that has not returned after ``hang_s``
+    (a hang detector, not a timing assertion) fails the test."""
+    got = []
+    t = threading.Thread(target=lambda: got.append(fn()), daemon=True)
+    t.start()
+    t.join(hang_s)
+    assert not t.is_alive(), f"the call blocked for over {hang_s} s behind a stopped holder"
+    return got[0]
+
+
+@pytest.fixture
+def stopped_holder(seg):
+    """A process that holds the table's lock and is stopped; resumed and killed after."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, seg], cwd="/tmp",
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        _wait_stopped(proc.pid)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()                         # SIGKILL ends a stopped process too
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.wait()
+
+
+def test_a_stopped_lock_holder_delays_no_operation_past_the_bound(seg, stopped_holder):
+    """Every operation waits at most its bound for the lock, then answers "no marks" (a
+    miss: the caller computes) and counts it.  (Before, flock waited without a bound: one
+    stopped process froze every instance's scheduler.)"""
+    keys = prefix_keys(np.arange(64), 16, "s")
+    me = PendingMarks(seg, timeout=0.05)        # the table exists: opening takes no lock
+    try:
+        assert _returns(lambda: me.held(keys)) == 0
+        assert _returns(lambda: me.claim(keys, 30.0)) == 0      # not marked: computes
+        assert _returns(lambda: me.release(keys)) == 0
+        assert _returns(me.marks) == []
+        assert me.timeouts == 4
+        assert _returns(lambda: me.held([])) == 0               # nothing to ask: no wait
+        assert me.timeouts == 4
+    finally:
+        me.close()
+    # resumed, the holder lets go (killed: the kernel drops its flock): marks work again
+    stopped_holder.kill()
+    os.kill(stopped_holder.pid, signal.SIGCONT)
+    stopped_holder.wait()
+    me = PendingMarks(seg, timeout=0.05)
+    try:
+        assert me.claim(keys, 30.0) == 0 and len(me.marks()) == 4 and me.timeouts == 0
+    finally:
+        me.close()
+
+
+def test_the_engines_marks_count_lock_timeouts_and_stay_on(seg, stopped_holder, caplog):
+    log = logging.getLogger("test.shmkv.pending")
+    em = EngineMarks(seg, log, timeout=0.02)
+    try:
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            assert _returns(lambda: em.held(prefix_keys(np.arange(32), 16, "s"))) == 0
+            assert _returns(lambda: em.claim(prefix_keys(np.arange(32), 16, "s"), 5.0)) == 0
+        assert em.on and em.lock_timeouts == 2
+        assert caplog.records == []             # a busy lock is a miss, not a failure
+    finally:
+        em.close()
+
+
+def test_bounds_are_checked(seg):
+    with pytest.raises(ValueError, match="timeout"):
+        PendingMarks(seg, timeout=-1)
+    with pytest.raises(ValueError, match="timeout"):
+        PendingMarks(seg, open_timeout=61)
+
+
+# ---------------------------------------------------------------- files that are not tables
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _header(magic=_MAGIC, slots=4096, version=VERSION):
+    return (magic.to_bytes(8, "little") + slots.to_bytes(4, "little")
+            + version.to_bytes(4, "little")).ljust(64, b"\0")
+
+
+_BAD = {
+    "garbage": lambda p, o: _write(p, np.random.default_rng(3).integers(
+        1, 256, _SIZE, dtype=np.uint8).tobytes()),
+    "short": lambda p, o: _write(p, _header()[:40]),            # cut before the header's end
+    "short_table": lambda p, o: _write(p, _header() + bytes(4096)),
+    "long": lambda p, o: _write(p, _header() + bytes(_SIZE)),
+    "other_version": lambda p, o: _write(p, _header(version=VERSION + 1).ljust(_SIZE, b"\0")),
+    "other_slots": lambda p, o: _write(p, _header(slots=1024).ljust(_SIZE, b"\0")),
+    "symlink": lambda p, o: (_write(o, _header().ljust(_SIZE, b"\0")), os.symlink(o, p)),
+    "dangling_symlink": lambda p, o: os.symlink(o, p),
+    "directory": lambda p, o: os.mkdir(p),
+    "fifo": lambda p, o: os.mkfifo(p),
+}
+_REASON = {"garbage": "garbage", "short": "size", "short_table": "size", "long": "size",
+           "other_version": "version", "other_slots": "version", "symlink": "symlink",
+           "dangling_symlink": "symlink", "directory": "not_regular", "fifo": "not_regular"}
+
+
+@pytest.fixture
+def other_file(tmp_path):
+    return str(tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("kind", sorted(_BAD))
+def test_a_file_that_is_not_a_table_raises_naming_the_cause(seg, other_file, kind):
+    path = pending_path(seg)
+    _BAD[kind](path, other_file)
+    before = open(other_file, "rb").read() if os.path.exists(other_file) else None
+    with pytest.raises(PendingTableError) as ei:
+        PendingMarks(seg)
+    e = ei.value
+    assert e.reason == _REASON[kind] and e.path == path
+    assert path in str(e) and e.fix in str(e)
+    assert ("rm " + path in e.fix) or kind in ("other_version", "other_slots")
+    assert isinstance(e, shmkv.ShmkvError) and isinstance(e, ValueError)
+    assert os.path.lexists(path)                # nothing of someone else's is removed...
+    if before is not None:                      # ...nor written through a link
+        assert open(other_file, "rb").read() == before
+    if kind == "dangling_symlink":
+        assert not os.path.exists(other_file)   # not created through the link either
+
+
+@pytest.mark.parametrize("kind", sorted(_BAD))
+def test_the_engine_turns_only_the_marks_off_with_one_warning(seg, other_file, kind,
+                                                               caplog):
+    """What the vLLM connector's scheduler opens: a bad table is one warning naming the
+    file, the cause and the fix; every operation then answers "no marks" (never raises),
+    with no further warning."""
+    _BAD[kind](pending_path(seg), other_file)
+    log = logging.getLogger("test.shmkv.pending")
+    keys = prefix_keys(np.arange(64), 16, "s")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        em = EngineMarks(seg, log)
+        for _ in range(3):                      # steps
+            assert em.held(keys) == 0 and em.claim(keys, 5.0) == 0 and em.release(keys) == 0
+        em.close()
+    assert not em.on and em.off_reason
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    msg = caplog.records[0].getMessage()
+    assert "pending marks are OFF" in msg and pending_path(seg) in msg and "fix:" in msg
+    assert "stays on" in msg
+
+
+def test_a_failing_operation_turns_the_marks_off_once(seg, caplog):
+    """An operation that fails in a step (here the table's descriptor is gone) turns the
+    marks off with one warning; the step gets "no marks", the next steps too."""
+    log = logging.getLogger("test.shmkv.pending")
+    keys = prefix_keys(np.arange(64), 16, "s")
+    em = EngineMarks(seg, log)
+    assert em.on and em.claim(keys, 5.0) == 0
+    fd = em.marks._fd
+    os.close(fd)
+    em.marks._fd = 2**30                        # flock: EBADF
+    try:
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            for _ in range(3):
+                assert em.held(keys) == 0 and em.claim(keys, 5.0) == 0
+                assert em.release(keys) == 0
+    finally:
+        em.close()
+    assert not em.on
+    assert len(caplog.records) == 1
+    assert "OSError" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("size", [0, _SIZE])
+def test_a_table_whose_creator_died_before_its_header_is_finished(seg, size):
+    """The header is written last: a file of size 0 (its creator died right after making
+    it) or of the full size without a header (died before writing it) is laid out by the
+    next process, not refused."""
+    _write(pending_path(seg), bytes(size))
+    keys = prefix_keys(np.arange(32), 16, "s")
+    me = PendingMarks(seg)
+    try:
+        assert me.claim(keys, 5.0) == 0 and len(me.marks()) == 2
+        with open(pending_path(seg), "rb") as f:
+            assert f.read(64) == _header()
+    finally:
+        me.close()
+
+
+def test_a_table_of_the_format_before_the_version_field_is_read(seg):
+    """Tables laid out before the header carried a version (0 there) have the same
+    records: read, not refused, so instances of both versions share their marks."""
+    _write(pending_path(seg), _header(version=0).ljust(_SIZE, b"\0"))
+    me = PendingMarks(seg)
+    try:
+        assert me.claim(prefix_keys(np.arange(16), 16, "s"), 5.0) == 0 and len(me.marks()) == 1
+    finally:
+        me.close()
+
+
+def test_the_creator_makes_a_private_regular_file(seg):
+    PendingMarks(seg).close()
+    st = os.lstat(pending_path(seg))
+    assert st.st_size == _SIZE and (st.st_mode & 0o777) == 0o600
+    assert os.path.isfile(pending_path(seg)) and not os.path.islink(pending_path(seg))
+
+
+# ---------------------------------------------------------------- a full /dev/shm
+_FULL = r"""
+import os, sys
+from shmkv.pending import PendingMarks, PendingTableError, pending_path
+try:
+    PendingMarks(sys.argv[1]).close()
+    print("opened")
+except PendingTableError as e:
+    print("refused", e.reason, os.path.exists(pending_path(sys.argv[1])))
+    print(e)
+"""
+
+
+def test_a_full_dev_shm_is_an_error_at_open_not_a_sigbus_later(seg):
+    """The table's memory is reserved (posix_fallocate) before it is mapped: on a full
+    tmpfs opening raises, names the cause and removes the file it made.  (Only truncated,
+    the first store to an unbacked page was a SIGBUS that killed the engine.)  Run in a
+    mount namespace of its own, with a 64 KiB tmpfs on /dev/shm that vanishes with it."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a small tmpfs in a namespace of its own")
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --mount not permitted here: {probe.stderr.strip()}")
+    r = subprocess.run(
+        ["unshare", "--mount", "sh", "-c",
+         'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$0" -c "$1" "$2"',
+         sys.executable, _FULL, seg],
+        cwd="/tmp", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    out = r.stdout.splitlines()
+    assert out[0] == "refused no_space False", r.stdout
+    assert "ENOSPC" in out[1] and "/dev/shm" in out[1]

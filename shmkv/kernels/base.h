@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
@@ -73,13 +74,17 @@ enum { SHMKV_PLANT_NONE = 0, SHMKV_PLANT_NO_RECOVERY = 1, SHMKV_PLANT_EARLY_PUBL
 typedef struct {
     int crash_id;               /* SHMKV_CP_* armed, 0 = none */
     long crash_countdown;       /* passes left before _exit(86) */
+    int crash_stop;             /* 1: raise(SIGSTOP) there instead (a stopped holder) */
     int plant;                  /* SHMKV_PLANT_* */
 } shmkv_dbg_t;
 static shmkv_dbg_t shmkv_dbg_local;
 static shmkv_dbg_t *shmkv_dbg = &shmkv_dbg_local;
 static inline void shmkv_crash(int id) {
-    if (__builtin_expect(shmkv_dbg->crash_id == id, 0) && --shmkv_dbg->crash_countdown <= 0)
-        _exit(86);
+    if (__builtin_expect(shmkv_dbg->crash_id == id, 0) && --shmkv_dbg->crash_countdown <= 0) {
+        if (!shmkv_dbg->crash_stop) _exit(86);
+        shmkv_dbg->crash_id = 0;        /* stopped once; after SIGCONT it goes on */
+        raise(SIGSTOP);
+    }
 }
 #define SHMKV_CRASH(id) shmkv_crash(SHMKV_CP_##id)
 

@@ -1,5 +1,6 @@
 /*
- * kernels/lock.h -- the pool lock (robust mutex, spin then futex sleep) and the sequence ids and
+ * kernels/lock.h -- the pool lock (robust mutex, spin then a sleep bounded on CLOCK_MONOTONIC) and
+ * the sequence ids and
  * per-sequence locks.  Writes: the pool lock and the sequence slots' lock words.
  * A primitive: it takes and releases locks and reports a dead holder (EDEADHOLDER), but
  * never repairs -- the waits that recover are ops.h's, above every primitive.
@@ -46,15 +47,48 @@ static int shmkv__pool_trylock_raw(shmkv_ctx_t *c) {
     return SHMKV_ECORRUPT;
 }
 
-/* Blocks at most ctx->timeout_ns.  OK, EDEADHOLDER (as above), ETIMEDOUT or ECORRUPT.
- * Call without the GIL. */
+/* The wait after the spin, bounded on CLOCK_MONOTONIC: pthread_mutex_timedlock takes a
+ * CLOCK_REALTIME deadline, which a clock step backwards (NTP, a VM resumed, `date -s`)
+ * pushes out by the step -- an hour's step, an hour's wait.  glibc >= 2.30 has
+ * pthread_mutex_clocklock, which takes the clock: the same futex sleep and wake-up as
+ * timedlock (a waiter runs the moment the holder lets go), robust mutexes included (ours
+ * is robust and not priority-inheriting, for which glibc < 2.35 refused CLOCK_MONOTONIC).
+ * The manylinux_2_28 wheels are built against glibc 2.28, which lacks it: there the wait is
+ * a trylock loop -- yield, then sleeps doubling from 1 us to 1 ms -- bounded on
+ * CLOCK_MONOTONIC, which wakes up to a sleep's length late but never waits past the bound.
+ * Returns pthread's code: 0, EOWNERDEAD, ETIMEDOUT or another error. */
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30)) \
+    && !defined(SHMKV_NO_CLOCKLOCK)
+#define SHMKV_POOL_WAIT "pthread_mutex_clocklock(CLOCK_MONOTONIC)"
+static int shmkv__pool_wait(shmkv_ctx_t *c) {
+    int64_t dl = shmkv_now_ns(CLOCK_MONOTONIC) + c->timeout_ns;
+    struct timespec ts = { (time_t)(dl / 1000000000LL), (long)(dl % 1000000000LL) };
+    return pthread_mutex_clocklock(&c->sh->pool_lock, CLOCK_MONOTONIC, &ts);
+}
+#else
+#define SHMKV_POOL_WAIT "trylock loop on CLOCK_MONOTONIC"
+static int shmkv__pool_wait(shmkv_ctx_t *c) {
+    int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
+    long sleep_ns = 1000;
+    for (unsigned i = 0;; i++) {
+        int rc = pthread_mutex_trylock(&c->sh->pool_lock);
+        if (rc != EBUSY) return rc;
+        if (shmkv_now_ns(CLOCK_MONOTONIC) - t0 > c->timeout_ns) return ETIMEDOUT;
+        if (i < 64) { sched_yield(); continue; }
+        struct timespec ts = { 0, sleep_ns };
+        nanosleep(&ts, NULL);
+        if (sleep_ns < 1000000) sleep_ns *= 2;
+    }
+}
+#endif
+
+/* Blocks at most ctx->timeout_ns (CLOCK_MONOTONIC).  OK, EDEADHOLDER (as above),
+ * ETIMEDOUT or ECORRUPT.  Call without the GIL. */
 static int shmkv__pool_lock_raw(shmkv_ctx_t *c) {
     int rc = shmkv__pool_spin(c);
     if (rc == EBUSY) {
         shmkv_count(c, SHMKV_C_LOCK_WAITS, 1);
-        int64_t dl = shmkv_now_ns(CLOCK_REALTIME) + c->timeout_ns;
-        struct timespec ts = { (time_t)(dl / 1000000000LL), (long)(dl % 1000000000LL) };
-        rc = pthread_mutex_timedlock(&c->sh->pool_lock, &ts);
+        rc = shmkv__pool_wait(c);
     }
     if (rc == 0) return SHMKV_OK;
     if (rc == EOWNERDEAD) return SHMKV_EDEADHOLDER;

@@ -38,6 +38,7 @@ static int shmkv_pcache_lock_locked(shmkv_ctx_t *c, shmkv_proc_t *p) {
     uint32_t slot = (uint32_t)(p - c->procs);
     uint64_t owner = ((uint64_t)shmkv_atomic_load_u32(&p->gen) << 32) | (uint64_t)(slot + 1);
     int64_t t0 = shmkv_now_ns(CLOCK_MONOTONIC);
+    long sleep_ns = 1000;
     for (unsigned spin = 1;; spin++) {
         uint64_t holder = shmkv_atomic_load_u64(&p->cache_lock);
         if (holder == 0) {
@@ -46,12 +47,22 @@ static int shmkv_pcache_lock_locked(shmkv_ctx_t *c, shmkv_proc_t *p) {
         }
         /* not the owner (nor the owner's own thread when p is ours): a dead pool-lock
          * holder's leftover.  The owner: dead, or alive and about to let go. */
-        int stale = (holder != owner) || ((spin & 255) == 0 && holder != me
+        int probe = (spin & 255) == 0 || spin >= 1024;      /* sleeping: every round */
+        int stale = (holder != owner) || (probe && holder != me
                                           && !shmkv_proc_alive(c, holder));
         if (stale && shmkv_atomic_cas_u64(&p->cache_lock, holder, me))
             return SHMKV_EDEADHOLDER;
-        if (spin < 256) SHMKV_PAUSE(); else sched_yield();
-        if ((spin & 255) == 0 && shmkv_now_ns(CLOCK_MONOTONIC) - t0 > c->timeout_ns)
+        /* spin, yield, then sleep (1 us doubling to 1 ms): an owner that is alive but not
+         * running (stopped: Ctrl-Z, a debugger, `docker pause`) is waited for without
+         * burning a core, and never past the bound (CLOCK_MONOTONIC) */
+        if (spin < 256) SHMKV_PAUSE();
+        else if (spin < 1024) sched_yield();
+        else {
+            struct timespec ts = { 0, sleep_ns };
+            nanosleep(&ts, NULL);
+            if (sleep_ns < 1000000) sleep_ns *= 2;
+        }
+        if (probe && shmkv_now_ns(CLOCK_MONOTONIC) - t0 > c->timeout_ns)
             return SHMKV_ETIMEDOUT;
     }
 }

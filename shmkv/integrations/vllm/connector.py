@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import shmkv
-from shmkv.pending import PendingMarks, prefix_keys
+from shmkv.pending import LOCK_TIMEOUT, EngineMarks, prefix_keys
 
 from .events import ShmkvKVEvents
 from .faults import _FAULTS_ON, _fault  # noqa: F401  (_FAULTS_ON: importable here as before)
@@ -136,7 +136,9 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
     default ``$SHMKV_TIER``), ``tier_cluster``, ``tier_timeout``, ``tier_wait`` (tier.py),
     ``pending`` (default true: mark prefixes being computed, wait for other instances'),
     ``pending_wait`` (seconds a request waits for another instance's prefix; default 10),
-    ``pending_ttl`` (seconds a mark lasts at most; default 120).
+    ``pending_ttl`` (seconds a mark lasts at most; default 120), ``pending_lock_timeout``
+    (seconds a step waits at most for the marks' lock, then answers "no marks"; default
+    0.05).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -151,16 +153,20 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         self._load_on = bool(extra.get("load", True))
         self._pending_wait = float(extra.get("pending_wait", 10.0))
         self._pending_ttl = float(extra.get("pending_ttl", 120.0))
-        if not (0 <= self._pending_wait <= 600 and 0 < self._pending_ttl <= 3600):
-            raise ValueError("shmkv: pending_wait must be in [0, 600] and pending_ttl in "
-                             f"(0, 3600] seconds, got {self._pending_wait}, "
-                             f"{self._pending_ttl}")
+        self._pending_lock_timeout = float(extra.get("pending_lock_timeout", LOCK_TIMEOUT))
+        if not (0 <= self._pending_wait <= 600 and 0 < self._pending_ttl <= 3600
+                and 0 <= self._pending_lock_timeout <= 1):
+            raise ValueError("shmkv: pending_wait must be in [0, 600], pending_ttl in "
+                             "(0, 3600] and pending_lock_timeout in [0, 1] seconds, got "
+                             f"{self._pending_wait}, {self._pending_ttl}, "
+                             f"{self._pending_lock_timeout}")
         kec = vllm_config.kv_events_config
         self._events_on = bool(kec is not None and kec.enable_kv_cache_events)
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._lookups: Optional[TierLookups] = None
-        self._pending: Optional[PendingMarks] = None
+        self._pending: Optional[EngineMarks] = None
+        self._pending_lock_timeouts = 0       # of those, already counted in self._iv
         self._sched_events: Optional[ShmkvKVEvents] = None
         # worker side
         self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -206,8 +212,10 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
                 self._kv.set_tier(tier.make(), read=False)    # commits write through
             if (role == KVConnectorRole.SCHEDULER and self._load_on and self._save_on
                     and bool(extra.get("pending", True))):
-                self._pending = PendingMarks(self._spec.name,
-                                             trusted_owners=self._spec.trusted_owners)
+                # a bad NAME.pending turns only the marks off, with one warning
+                self._pending = EngineMarks(self._spec.name, log,
+                                            timeout=self._pending_lock_timeout,
+                                            trusted_owners=self._spec.trusted_owners)
         except BaseException:
             self._kv.close()
             raise
@@ -215,8 +223,11 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
                  "pending marks %s, events %s", role.name.lower(), self._spec.name,
                  self._kv.config.num_blocks, self._bs, self._kv.config.dtype,
                  *("on" if x else "off" for x in (self._load_on, self._save_on,
-                                                   self._pending is not None,
+                                                   self._marks_on(),
                                                    self._events_on)))
+
+    def _marks_on(self) -> bool:
+        return self._pending is not None and self._pending.on
 
     # ------------------------------------------------------------------ salts
     def _salt(self, request: "Request") -> str:
@@ -255,8 +266,8 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
                 st.tier_done = True
                 hit = self._kv.match_prefix(ids, st.salt)
             hit = hit // bs * bs
-            if self._pending is not None and self._held_back(st, ids, hit,
-                                                             num_computed_tokens, limit):
+            if self._marks_on() and self._held_back(st, ids, hit, num_computed_tokens,
+                                                    limit):
                 return None, False          # another instance computes it: not yet
         except Exception as e:              # a cache never fails a request
             log.warning("shmkv: match_prefix failed (%s: %s); no hit", type(e).__name__, e)
@@ -313,12 +324,9 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is None:
             return
-        if self._pending is not None and st.claim_range is not None:
-            try:                            # it runs now: pending until published
-                self._claim(st, self._pending_ttl)
-            except Exception as e:
-                log.warning("shmkv: pending marks failed (%s: %s)", type(e).__name__, e)
-            st.claim_range = None
+        if self._marks_on() and st.claim_range is not None:
+            self._claim(st, self._pending_ttl)      # it runs now: pending until published
+        st.claim_range = None
         if num_external_tokens <= 0 or st.load is None:
             st.load = None
         else:
@@ -409,11 +417,7 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
         if st is not None and st.claimed is not None and self._pending is not None:
-            try:
-                self._pending.release(st.claimed)
-            except Exception as e:          # the marks expire on their own
-                log.warning("shmkv: dropping pending marks failed (%s: %s)",
-                            type(e).__name__, e)
+            self._pending.release(st.claimed)   # never raises; if not done: they expire
         return False, None
 
     def take_events(self) -> "Any":
@@ -432,6 +436,11 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         if self._role == KVConnectorRole.WORKER and now - self._gauges_at >= 1.0:
             self._gauges_at = now
             self._housekeeping()
+        if self._pending is not None:           # marks operations that found the lock held
+            n = self._pending.lock_timeouts
+            if n > self._pending_lock_timeouts:
+                self._iv.count("pending_lock_timeouts", n - self._pending_lock_timeouts)
+                self._pending_lock_timeouts = n
         if self._iv.is_empty():
             return None
         out, self._iv = self._iv, ShmkvConnectorStats()

@@ -21,6 +21,9 @@ Per instance (counters and histograms, vLLM's ``model_name``/``engine`` labels):
 ``vllm:shmkv_pending_waits_total``                  requests held back because another
                                                     instance was computing their prefix
 ``vllm:shmkv_pending_timeouts_total``               of those, computed here after the bound
+``vllm:shmkv_pending_lock_timeouts_total``          pending-mark operations that found the
+                                                    marks' lock held past its bound (answered
+                                                    "no marks")
 ``vllm:shmkv_load_seconds``                         one step's loads (histogram)
 ``vllm:shmkv_save_seconds``                         one step's saves (histogram)
 =================================================  ==========================================
@@ -61,6 +64,8 @@ COUNTERS: Mapping[str, str] = {
     "lookup_hit_tokens": "Tokens beyond the instance's own cache found in the segment.",
     "pending_waits": "Requests held back while another instance computed their prefix.",
     "pending_timeouts": "Held-back requests computed here after the pending bound.",
+    "pending_lock_timeouts": "Pending-mark operations that found the marks' lock held past "
+                             "its bound (answered no marks).",
 }
 # gauge key -> help text (the metric is vllm:shmkv_segment_<key>)
 GAUGES: Mapping[str, str] = {
