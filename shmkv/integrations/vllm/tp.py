@@ -115,7 +115,8 @@ def tp_save(conn, op, finished: bool = True) -> None:
             if have < end:
                 kv.reserve(sid, end - have, tokens=op.tokens[have:])
                 table = kv.block_table(sid)[have // bs:end // bs].astype(np.int64)
-                forks = [kv.fork(sid) for _ in range(tp.size - 1)]
+                for _ in range(tp.size - 1):    # one by one: a failed fork leaves the
+                    forks.append(kv.fork(sid))  # earlier ones in the list, freed below
                 hdr = torch.tensor([have, len(table)], dtype=torch.int64)
             else:
                 hdr = torch.tensor([have, 0], dtype=torch.int64)
@@ -151,9 +152,14 @@ def tp_save(conn, op, finished: bool = True) -> None:
             log.warning("shmkv: save of %s failed on rank %d (%s: %s)", op.req_id, tp.rank,
                         type(e).__name__, e)
         ok = tp._min(ok)                    # every slice written?
-        if ok:
-            if tp.rank == 0:
+        if ok and tp.rank == 0:
+            try:
                 kv.commit(sid)
+            except Exception as e:          # a LockTimeout...: a miss later, never vLLM's
+                ok = 0
+                log.warning("shmkv: commit of %s failed on rank 0 (%s: %s)", op.req_id,
+                            type(e).__name__, e)
+        if ok:
             conn.stats["saved_tokens"] += end - have
         else:
             conn.stats["save_errors"] += 1
