@@ -21,12 +21,13 @@ The sets:
   compat-lowest  make test-compat's venvs: each integration at the lowest and the newest
   compat-newest  version shmkv/_compat.py TESTED names (built from that table)
 """
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
+
+from test_compat import _tested  # tools/: shmkv/_compat.py's TESTED, read without shmkv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "constraints")
@@ -48,14 +49,6 @@ SETS = {
              "ml_dtypes>=0.3", "vllm-router==0.1.17", "pandas>=2", "matplotlib>=3.7"],
     "tools": BUILD + ["build>=1.2", "twine>=6.1", "auditwheel>=6.1"],
 }
-
-
-def _tested():
-    spec = importlib.util.spec_from_file_location("_compat", os.path.join(ROOT, "shmkv",
-                                                                          "_compat.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.TESTED
 
 
 def _compat_sets():
