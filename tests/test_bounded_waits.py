@@ -101,13 +101,10 @@ def test_a_stopped_pool_lock_holder_makes_others_time_out(cache, holders):
     holder = _stopped_holder(holders, cache.name, "alloc_mid", sid)   # inside the pool lock
     cache.lock_timeout = 0.2
     waits = _core.snapshot(cache.name)["counters"]["lock_waits"]    # takes no lock
-    full = lambda: cache.recover(full=True)                    # noqa: E731
-    for op in (cache.check, cache.stats, full):             # each takes the pool lock
+    for op in (cache.check, cache.stats, cache.recover):    # each takes the pool lock
         e = _raises(op)
         assert isinstance(e, shmkv.LockTimeout), (op, e)
     assert _core.snapshot(cache.name)["counters"]["lock_waits"] >= waits + 3
-    # an idle pass (nobody dead) reads the process table only: no wait at all
-    assert _raises(cache.recover) is None
     # the holder dies where it stopped: the next locker recovers, nothing is lost
     holder.kill()
     holder.wait(timeout=30)
@@ -123,8 +120,7 @@ def test_a_stopped_process_cache_holder_makes_others_time_out(cache, holders):
     _stopped_holder(holders, cache.name, "grow_before_tail", warm=True)
     cache.lock_timeout = 0.2
     assert isinstance(_raises(cache.check), shmkv.LockTimeout)
-    assert isinstance(_raises(lambda: cache.recover(full=True)), shmkv.LockTimeout)
-    assert _raises(cache.recover) is None       # idle: reads the process table only
+    assert isinstance(_raises(cache.recover), shmkv.LockTimeout)
     # the pool lock was let go: what needs only it goes through
     sid = cache.create_sequence()
     cache.append(sid, tokens(cache.config, 2, 1), tokens(cache.config, 2, 1))
