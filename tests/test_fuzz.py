@@ -67,6 +67,17 @@ def test_fuzzer_detects_crashes_and_hangs(tmp_path):
     assert "CRASH: case 70" in proc.stdout and "HANG: case 100" in proc.stdout
 
 
+def test_fuzzer_does_not_take_a_slow_start_for_a_hang(tmp_path):
+    """A child's start (spawn, imports) on a loaded 2-core host can outlast --hang; only the
+    time spent in one case counts.  (CI once reported cases 71 and 101 as hangs: the
+    first cases of children started after a crash and a hang.)"""
+    proc, r = run_fuzz(tmp_path, "--count", "40", "--batch", "10", "--seed", "5",
+                       "--hang", "1", "--self-test-slow-start", "2.5")
+    assert r is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert r["hangs"] == [] and r["crashes"] == [], proc.stdout[-3000:]
+    assert r["cases"] == 40 and proc.returncode == 0, proc.stdout[-3000:]
+
+
 def test_fuzz_cases_are_reproducible(tmp_path):
     for out in (tmp_path, tmp_path / "again"):
         proc = subprocess.run([sys.executable, FUZZ, "--seed", "9", "--show", "17", "--out",

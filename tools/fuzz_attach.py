@@ -684,6 +684,12 @@ def child_main(opts):
     ffd = os.open(opts["findings"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     name = f"shmkv-fuzz-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     seed = opts["seed"]
+    try:     # the first bfloat16 case would import it: a start's cost, not a case's
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        pass
+    time.sleep(opts.get("self_test_slow_start") or 0)  # a loaded host's slow start
+    prog[1] = 0                  # started: the parent's per-case hang clock runs from here
     for i in range(opts["start"], opts["end"]):
         prog[0] = i
         kind, data, attach = make_case(templates, seed, i)
@@ -717,15 +723,28 @@ def child_main(opts):
 # --------------------------------------------------------------------------------------
 # the parent: children, crash and hang detection, replay
 # --------------------------------------------------------------------------------------
+def start_bound(hang):
+    """How long a child may take to start (spawn, import numpy and shmkv, read the
+    templates) before its first case: not a case's time, and much longer on a loaded
+    2-core host than any case."""
+    return max(120.0, 4 * hang)
+
+
 def replay(ctx, opts, i, timeout):
     """Run case i alone in a fresh child: does it crash / hang again?"""
     o = dict(opts, start=i, end=i + 1, job=0, jobs=1,
              progress=opts["progress"] + f".replay{i}")
     with open(o["progress"], "wb") as f:
-        f.write(b"\0" * 8 * PROG_WORDS)
+        f.write(struct.pack("<qq", i, -1) + b"\0" * 8 * (PROG_WORDS - 2))
     p = ctx.Process(target=child_main, args=(o,), daemon=True)
     p.start()
     _CHILD_PIDS.add(p.pid)
+    deadline = time.monotonic() + start_bound(timeout)
+    while p.exitcode is None and time.monotonic() < deadline:     # wait for it to start
+        with open(o["progress"], "rb") as f:
+            if struct.unpack("<qq", f.read(16))[1] >= 0:
+                break
+        time.sleep(0.05)
     p.join(timeout)
     if p.exitcode is None:
         p.kill()
@@ -748,6 +767,9 @@ def main(argv=None):
                     help="the child SIGSEGVs itself at case I (checks crash detection)")
     ap.add_argument("--self-test-hang", type=int, default=None, metavar="I",
                     help="the child sleeps forever at case I (checks hang detection)")
+    ap.add_argument("--self-test-slow-start", type=float, default=None, metavar="S",
+                    help="each child sleeps S seconds before its first case (checks that "
+                         "a slow start is not taken for a hang)")
     ap.add_argument("--show", type=int, default=None, metavar="I",
                     help="write case I's bytes to --out and exit (reproduce a finding)")
     args = ap.parse_args(argv)
@@ -786,10 +808,11 @@ def main(argv=None):
         findings_path = os.path.join(work, "findings.jsonl")
         opts = {"templates": tpaths, "progress": progress, "findings": findings_path,
                     "seed": args.seed, "jobs": args.jobs, "self_test_crash": args.self_test_crash,
-                    "self_test_hang": args.self_test_hang}
+                    "self_test_hang": args.self_test_hang,
+                    "self_test_slow_start": args.self_test_slow_start}
         todo = [(a, min(a + args.batch, args.count)) for a in range(0, args.count, args.batch)]
         todo.reverse()
-        running = {}          # job -> (proc, start, end, last_index, last_change)
+        running = {}    # job -> [proc, start, end, last_index, last_change, started]
         crashes, hangs = [], []
         counts = np.zeros((len(KINDS), len(OUTCOMES)), np.int64)
         next_report = time.monotonic() + 10
@@ -797,11 +820,12 @@ def main(argv=None):
         def launch(job, start, end):
             prog[job, :] = 0
             prog[job, 0] = start
+            prog[job, 1] = -1                    # the child sets 0 once it has started
             o = dict(opts, start=start, end=end, job=job)
             p = ctx.Process(target=child_main, args=(o,), daemon=True)
             p.start()
             _CHILD_PIDS.add(p.pid)
-            running[job] = [p, start, end, start, time.monotonic()]
+            running[job] = [p, start, end, start, time.monotonic(), False]
 
         def harvest(job):
             counts[:] += prog[job, 2:].reshape(len(KINDS), len(OUTCOMES))
@@ -822,7 +846,7 @@ def main(argv=None):
             time.sleep(0.05)
             now = time.monotonic()
             for job, st in list(running.items()):
-                p, _, end, last_i, last_t = st
+                p, _, end, last_i, last_t, started = st
                 cur = int(prog[job, 0])
                 if p.exitcode is not None:
                     harvest(job)
@@ -838,16 +862,26 @@ def main(argv=None):
                         if cur + 1 < end:
                             todo.append((cur + 1, end))
                     continue
+                if not started:
+                    if prog[job, 1] >= 0:              # started now: case clock from here
+                        st[4], st[5] = now, True
+                        continue
+                    limit = start_bound(args.hang)
+                else:
+                    limit = args.hang
                 if cur != last_i:
                     st[3], st[4] = cur, now
-                elif now - last_t > args.hang:
+                elif now - last_t > limit:
                     p.kill()
                     p.join(5)
                     harvest(job)
                     del running[job]
                     kind, path = save(cur, "hang")
-                    hangs.append({"case": cur, "kind": kind, "input": path})
-                    print(f"  HANG: case {cur} ({kind}) made no progress for {args.hang} s; "
+                    hangs.append({"case": cur, "kind": kind, "input": path,
+                                  "started": started})
+                    what = (f"made no progress for {args.hang} s" if started else
+                            f"did not start within {limit:.0f} s")
+                    print(f"  HANG: case {cur} ({kind}) {what}; "
                           f"input saved to {path}", flush=True)
                     if cur + 1 < end:
                         todo.append((cur + 1, end))
