@@ -11,28 +11,48 @@ import subprocess
 import sys
 from pathlib import Path
 
-from serve_helpers import run_group
+from serve_helpers import run_group, side_by_side
 
 WORKER = Path(__file__).with_name("configs_worker.py")
 ENGINE_TIMEOUT = 900
 
 
 def run_engine(tmp: Path, tag: str, job: dict, env_extra: dict | None = None,
-               cpus: str | None = None) -> tuple[int, dict, str]:
-    """(exit code, results, log) of one engine running `job` (configs_worker.py)."""
+               cpus: str | None = None, shm_mib: int | None = None) -> tuple[int, dict, str]:
+    """(exit code, results, log) of one engine running `job` (configs_worker.py); `cpus`:
+    pinned there (and vLLM's OpenMP threads with it); `shm_mib`: in a mount namespace of
+    its own whose /dev/shm is a tmpfs of that size (gone with the engine)."""
     jp, op = tmp / f"{tag}.json", tmp / f"{tag}.out.json"
     jp.write_text(json.dumps(job))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                **(env_extra or {}))
     cmd = [sys.executable, str(WORKER), str(jp), str(op)]
+    if shm_mib:
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+               f'mount -t tmpfs -o size={int(shm_mib)}m shmkv-test /dev/shm && exec "$@"',
+               "sh", *cmd]
     if cpus:
         cmd = ["taskset", "-c", cpus, *cmd]
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
     with open(tmp / f"{tag}.log", "w") as log:
         p = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
-        rc = run_group(p, ENGINE_TIMEOUT)    # and removes what vLLM left in /dev/shm
+        # (and removes what vLLM left in /dev/shm)
+        rc = run_group(p, ENGINE_TIMEOUT, own_shm=bool(shm_mib))
     out = json.loads(op.read_text()) if op.exists() else {"results": []}
     return rc, out, (tmp / f"{tag}.log").read_text(errors="replace")
+
+
+def run_engines(tmp: Path, *runs: tuple) -> list[tuple[int, dict, str]]:
+    """Independent engines side by side (serve_helpers.side_by_side), each pinned to a
+    core of its own.  Each run is ``(tag, job)`` or ``(tag, job, run_engine keywords)``;
+    results in the same order."""
+    def call(run: tuple):
+        tag, job, *kw = run
+        return lambda core: run_engine(tmp, tag, job, **{
+            **({"cpus": str(core)} if core is not None else {}), **(kw[0] if kw else {})})
+
+    return side_by_side(*(call(r) for r in runs))
 
 
 def model_dir() -> str:

@@ -15,11 +15,12 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 START_TIMEOUT = 600.0
 _VLLM_SHM = re.compile(r"^/dev/shm/(psm_[0-9a-f]+|sem\.mp-[A-Za-z0-9_]+|vllm_dist_[^/]+)$")
@@ -72,11 +73,43 @@ def mapped_vllm_shm(pids: list[int]) -> set[str]:
     return found
 
 
-def run_group(p: subprocess.Popen, timeout: float) -> int:
+def side_by_side(*fns: Callable[[Optional[int]], Any]) -> list:
+    """``fn(core)`` for each fn at once, each in a thread with a CPU core of its own to pin
+    its engine to -- most of an engine's start is one core's work, so two starts side by
+    side take little longer than one -- or one after another with ``core=None`` where this
+    process may use fewer cores than there are fns.  Their results, in order; the first
+    exception is raised once all have ended."""
+    cores = sorted(os.sched_getaffinity(0))
+    out: list = [None] * len(fns)
+
+    def one(i: int, core: Optional[int]) -> None:
+        try:
+            out[i] = fns[i](core)
+        except BaseException as e:          # (raised below, in the caller's thread)
+            out[i] = e
+
+    if len(cores) < len(fns):
+        for i in range(len(fns)):
+            one(i, None)
+    else:
+        ts = [threading.Thread(target=one, args=(i, cores[i])) for i in range(len(fns))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out
+
+
+def run_group(p: subprocess.Popen, timeout: float, own_shm: bool = False) -> int:
     """Wait for ``p`` (started with ``start_new_session``) up to ``timeout``, recording the
     /dev/shm files vLLM maps in its process group while it runs; then SIGKILL the group
     (the engine's own children too), wait for it to be gone, and unlink exactly the files
-    it mapped that are left and that no live process maps.  Its exit code, -999 on time-out."""
+    it mapped that are left and that no live process maps.  ``own_shm``: the group ran
+    with a /dev/shm of its own (a mount namespace), which went with it: nothing here is
+    its.  Its exit code, -999 on time-out."""
     seen: set[str] = set()
     try:
         t0 = time.monotonic()
@@ -94,6 +127,8 @@ def run_group(p: subprocess.Popen, timeout: float) -> int:
         t1 = time.monotonic()
         while group_pids(p.pid) and time.monotonic() - t1 < 30:
             time.sleep(0.2)
+        if own_shm:
+            seen = set()
         still = mapped_vllm_shm([int(d) for d in os.listdir("/proc") if d.isdigit()])
         for path in seen - still:
             try:

@@ -1,14 +1,18 @@
 """ShmkvConnector with real vLLM engines on the real model (SmolLM2-135M-Instruct):
-engines run one at a time, each in its own process group (engine_worker.py): a baseline
-without the connector, engine A that fills a fresh segment, engine B that reads it.
+each engine in its own process group (engine_worker.py), pinned to one core: a baseline
+without the connector beside engine A that fills a fresh segment, then engine B that
+reads it.
 B's requests cover the hit of A's prompt blocks, a chat's next turn hitting the previous
 answer, two load shortfalls (blocks vanished between the scheduler's match and the
 worker's load) and, last, a worker SIGKILLed in the middle of a save."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import unique_name  # tests/conftest.py
+from serve_helpers import side_by_side
 from vllm_helpers import FAULT, SB, VB, _model_dir, _prompts, _run_engine, expected_hit
 
 try:
@@ -43,9 +47,11 @@ def runs(tmp_path_factory):
         {"prompt_ids": P["p2r"], "max_tokens": 4, "cache_salt": FAULT["reset"]},
     ]}
     try:
-        rc0, r0 = _run_engine(tmp, "base", base)
+        # vLLM alone beside A (each on a core of its own): they share nothing
+        (rc0, r0), (rcA, rA) = side_by_side(
+            lambda core: _run_engine(tmp, "base", base, core=core),
+            lambda core: _run_engine(tmp, "A", a, fault=True, core=core))
         assert rc0 == 0, (tmp / "base.log").read_text()[-3000:]
-        rcA, rA = _run_engine(tmp, "A", a, fault=True)
         assert rcA == 0, (tmp / "A.log").read_text()[-3000:]
         # what A stored, read before B's reset fault drops the prefix index: p1, and p2,
         # whose first load in A fell short (overclaim on an empty segment)
@@ -66,7 +72,8 @@ def runs(tmp_path_factory):
             {"prompt_ids": P["p2r"], "max_tokens": 16, "cache_salt": FAULT["reset"]},
             {"prompt_ids": P["p3"], "max_tokens": 4, "cache_salt": FAULT["kill"]},
         ]}
-        rcB, rB = _run_engine(tmp, "B", b, fault=True)
+        # pinned as base and A were (one core's threads: the same numerics as theirs)
+        rcB, rB = _run_engine(tmp, "B", b, fault=True, core=min(os.sched_getaffinity(0)))
         kv = shmkv.KVCache.attach(seg)      # attach runs recovery: B's worker died mid-save
         try:
             after = {"recovered": kv.recover(), "check": kv.check(), "stats": kv.stats(),
@@ -159,34 +166,3 @@ def test_worker_killed_mid_save_leaves_segment_consistent(runs):
     assert after["p3_hit"] == 0             # nothing half-written is findable
     assert after["stats"]["num_sequences"] == 0
     assert after["stats"]["used_blocks"] == 0
-
-
-def test_wrong_layout_refused_at_start(tmp_path):
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.engine.arg_utils import EngineArgs
-
-    import shmkv
-    from shmkv.integrations.vllm import ShmkvConnector
-
-    seg = unique_name("vllm-bad")
-    wrong = shmkv.CacheConfig(num_layers=30, num_kv_heads=3, head_dim=32, num_blocks=16,
-                              block_size=16, dtype="float32")
-    kv = shmkv.KVCache.create(seg, wrong)
-    try:
-        cfg = EngineArgs(model=_model_dir(), dtype="float32", enforce_eager=True,
-                         max_model_len=1024, kv_transfer_config=KVTransferConfig(
-                             kv_connector="ShmkvConnector",
-                             kv_connector_module_path="shmkv.integrations.vllm",
-                             kv_role="kv_both", kv_load_failure_policy="recompute",
-                             kv_connector_extra_config={"segment": seg})
-                         ).create_engine_config()
-        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-            with pytest.raises(shmkv.SegmentError, match="does not fit this model") as ei:
-                ShmkvConnector(cfg, role, None)
-            assert "(30, 3, 32, 'float32')" in str(ei.value)
-            assert "(30, 3, 64, 'float32')" in str(ei.value)
-        assert kv.stats()["num_processes"] == 1      # the refused connectors detached
-    finally:
-        kv.unlink()
-        kv.close()

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from serve_helpers import run_group
 
@@ -32,15 +33,21 @@ def _model_dir() -> str:
     return str(smollm2_dir())
 
 
-def _run_engine(tmp: Path, tag: str, job: dict, fault: bool = False) -> tuple[int, dict]:
+def _run_engine(tmp: Path, tag: str, job: dict, fault: bool = False,
+                core: Optional[int] = None) -> tuple[int, dict]:
+    """(exit code, results) of one engine running `job` (engine_worker.py); `core`: pinned
+    there, vLLM's OpenMP threads with it (serve_helpers.side_by_side)."""
     jp, op = tmp / f"{tag}.json", tmp / f"{tag}.out.json"
     jp.write_text(json.dumps(job))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
     if fault:
         env["SHMKV_VLLM_FAULT"] = "1"
+    cmd = [sys.executable, str(WORKER), str(jp), str(op)]
+    if core is not None:
+        cmd = ["taskset", "-c", str(core), *cmd]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     with open(tmp / f"{tag}.log", "w") as log:
-        p = subprocess.Popen([sys.executable, str(WORKER), str(jp), str(op)], cwd="/tmp",
-                             env=env, stdout=log, stderr=subprocess.STDOUT,
+        p = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         rc = run_group(p, ENGINE_TIMEOUT)    # and removes what vLLM left in /dev/shm
     out = json.loads(op.read_text()) if op.exists() else {"results": []}

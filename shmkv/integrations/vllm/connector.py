@@ -30,10 +30,12 @@ what the segment lacks in a background thread, answering "not yet" (``None``) to
 meanwhile: a prompt prefilled on another host becomes a hit here, and the scheduler loop
 never waits on the network.
 
-Anything that goes wrong in the cache turns into a miss, never a failed request; a missing
-optional package (ml_dtypes for bfloat16 K/V) turns the connector off with one warning and
-the engine serves on; only a segment that cannot serve this model at all is an error, at
-engine start.
+Anything that goes wrong in the cache turns into a miss, never a failed request.  What the
+host holds never stops the engine either: a missing optional package (ml_dtypes for
+bfloat16 K/V), no room in /dev/shm for the segment, another model's, another version's or
+another user's segment under the name turn the connector off with one warning naming the
+cause and the fix, and the engine serves without the shared cache.  Only a mistake in the
+connector's own configuration (a bad key or value) is an error at engine start.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ from .faults import _FAULTS_ON, _fault  # noqa: F401  (_FAULTS_ON: importable he
 from .hybrid import check_groups
 from .layout import CpuLayout
 from .metadata import LoadOp, SaveOp, ShmkvConnectorMetadata
-from .segment import open_segment, segment_spec
+from .segment import off_reason, open_segment, segment_spec
 from .stats import ShmkvConnectorStats, ShmkvPromMetrics, segment_gauges
 from .tier import TierLookups, tier_spec
 from .tp import tp_rank
@@ -200,10 +202,19 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
                 missing)
             self._save_on = self._load_on = False
             return
-        self._spec = segment_spec(vllm_config, extra)
-        self._kv = open_segment(self._spec)
-        self._bs = self._kv.config.block_size
+        self._spec = segment_spec(vllm_config, extra)   # the config's mistakes: refused
         tier = tier_spec(extra)
+        try:
+            self._kv = open_segment(self._spec)
+        except Exception as e:
+            # what the host holds (no room in /dev/shm, another user's or another model's
+            # segment under the name, another version's): the engine serves on without it
+            (log.warning if role == KVConnectorRole.SCHEDULER else log.info)(
+                "shmkv: the connector is OFF for this engine: %s; vLLM serves without the "
+                "shared cache", off_reason(self._spec, e))
+            self._save_on = self._load_on = False
+            return
+        self._bs = self._kv.config.block_size
         try:
             if tier is not None and role == KVConnectorRole.SCHEDULER and self._load_on:
                 self._lookups = TierLookups(self._spec.name, tier,
@@ -225,6 +236,15 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
                  *("on" if x else "off" for x in (self._load_on, self._save_on,
                                                    self._marks_on(),
                                                    self._events_on)))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache (vLLM 0.32 defaults it to True for ``kv_both``).  A
+        save copies the step's blocks inside that step (``wait_for_save``), so nothing is
+        in flight when the scheduler preempts a request afterwards; a save that did not
+        happen is a future miss, never a wrong block.  True would make vLLM drop a
+        preempted request's output and recompute it for a hand-off that does not exist."""
+        return False
 
     def _marks_on(self) -> bool:
         return self._pending is not None and self._pending.on

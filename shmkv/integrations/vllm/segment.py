@@ -11,6 +11,7 @@ segment's scale table (:func:`check_fp8_scales`: instances with other scales are
 """
 from __future__ import annotations
 
+import errno
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -198,6 +199,29 @@ def check_fit(cfg: shmkv.CacheConfig, want: shmkv.CacheConfig, vb: int, name: st
             f"shmkv: segment {name!r} does not fit this model: it has (num_layers, "
             f"num_kv_heads, head_dim, dtype) = {got} and block_size {cfg.block_size}; "
             f"the model needs {exp} and a block_size dividing vLLM's {vb}")
+
+
+def off_reason(spec: SegmentSpec, e: BaseException) -> str:
+    """Why ``open_segment(spec)`` failed, and what fixes it: the connector's one warning
+    when it turns itself off at engine start."""
+    name = spec.name
+    what = f"{type(e).__name__}: {e}"
+    if isinstance(e, shmkv.UntrustedSegmentError):
+        fix = (f"remove it if it is not this fleet's (shmkv rm {name}), or name its owner in "
+               f"the connector's trusted_owners")
+    elif isinstance(e, shmkv.SegmentError):
+        fix = (f"give this model another segment name (kv_connector_extra_config "
+               f"\"segment\"), or remove the old segment once no engine uses it "
+               f"(shmkv rm {name})")
+    elif isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        fix = ("give /dev/shm more room (docker run --shm-size, a Kubernetes emptyDir with "
+               "medium: Memory) or the segment fewer blocks (size_gib / num_blocks)")
+    elif isinstance(e, PermissionError):
+        fix = ("run the engines as the segment's owner, or create it for a group "
+               "(segment_mode 0o660, segment_group)")
+    else:
+        fix = "see the cause above; shmkv check NAME tells what the segment holds"
+    return f"segment {name!r}: {what}. Fix: {fix}"
 
 
 def open_segment(spec: SegmentSpec) -> shmkv.KVCache:

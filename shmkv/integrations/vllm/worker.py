@@ -57,10 +57,26 @@ class _WorkerHalf:
     """The worker side of ShmkvConnector (see the module docstring)."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            on = self._register(kv_caches)
+        except Exception as e:              # a cache never stops the engine
+            log.warning("shmkv: the connector is OFF for this engine: %s: %s; vLLM serves "
+                        "without the shared cache", type(e).__name__, e)
+            on = False
+        if self._tp is not None:
+            # every rank on, or none: a rank off alone would leave the others waiting for
+            # it in each save's and load's collectives
+            on = bool(self._tp._min(int(on)))
+        if not on:
+            self._save_on = self._load_on = False
+            self._layout, self._layers, self._layer_names = None, [], frozenset()
+
+    def _register(self, kv_caches: dict[str, torch.Tensor]) -> bool:
+        """Checks vLLM's KV tensors against the segment, picks the copy layout: on?"""
         from vllm.model_executor.models.utils import extract_layer_index
 
         if self._kv is None:
-            return                          # off (a missing package): nothing to copy
+            return False                    # off (a missing package, the segment): no copy
         cfg = self._kv.config
         names = sorted(kv_caches, key=extract_layer_index)
         if len(names) != cfg.num_layers:
@@ -75,17 +91,16 @@ class _WorkerHalf:
                 log.warning("shmkv: layer %s's KV tensor is %s (contiguous=%s), expected "
                             "[num_blocks, %d, %d, %d] contiguous (CPU_ATTN): the connector is "
                             "off", n, tuple(t.shape), t.is_contiguous(), *want)
-                self._save_on = self._load_on = False
-                return
+                return False
         # the model's dtype, as vLLM's backend picks its ISA (an fp8 cache's tensors are uint8)
         self._layout = self._self_test(self._vllm_config.model_config.dtype)
         if self._layout is None:
-            self._save_on = self._load_on = False
-            return
+            return False
         # fp8: the codes mean code * scale with this instance's scales (segment.py)
         check_fp8_scales(self._kv, *vllm_kv_scales(self._vllm_config, names))
         self._layers = [(kv_caches[n], *pool_tensors(self._kv, i)) for i, n in enumerate(names)]
         self._layer_names = frozenset(names)
+        return True
 
     def _self_test(self, dtype: torch.dtype) -> Optional[CpuLayout]:
         assert self._kv is not None
@@ -151,12 +166,11 @@ class _WorkerHalf:
             self._account_load(op, good)
             return
         kv, vb = self._kv, self._vb
-        assert kv is not None
         good = op.start
         sid = None
         try:
-            if self._layout is None:
-                raise RuntimeError("loading is off")
+            if kv is None or self._layout is None:   # (the scheduler's half may be on)
+                raise RuntimeError("loading is off in this worker")
             if _fault(op.salt, "reset_before_load"):
                 kv.reset_prefix_cache()
             sid = kv.create_sequence(tokens=op.tokens, salt=op.salt)
