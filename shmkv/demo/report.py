@@ -63,6 +63,10 @@ def check_outputs(reqs, model, eos, Progress):
 
     equal, near, bad = [], [], []
     bar = Progress(len(reqs), "checking")
+    # the workers are done: the reference run has every core this process may use (it ran
+    # on one, for as long as the serving itself)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     try:
         for i, r in enumerate(reqs):
             ids = torch.tensor([r.prompt], dtype=torch.long)
@@ -99,6 +103,7 @@ def check_outputs(reqs, model, eos, Progress):
             bar.update(i + 1, f"{len(equal)} equal, {len(near)} near-tie, "
                               f"{len(bad)} mismatch")
     finally:
+        torch.set_num_threads(threads)
         bar.close()
     return dict(equal=equal, near=near, bad=bad)
 
