@@ -249,22 +249,24 @@ SAN_SKIP := test_docs_examples test_demo test_real_model test_quant_real test_mo
 # runs (and every process they start): .venv keeps its release build, so make sanitize
 # can run beside targets that need that one (CI runs it beside make test).
 SAN_SITE := .san-site
-sanitize: $(DEPS) redis
+$(SAN_SITE)/.built: $(DEPS) $(SRC)
 	$(SAN) build $(PY) $(SAN_SITE)
+	touch $@
+
+sanitize: $(SAN_SITE)/.built redis
 	PYTHONPATH=$(abspath $(SAN_SITE)) $(SAN) run $(VENV)/bin/pytest -q -p no:cacheprovider \
 		$(PYTEST_ARGS) tests --ignore=tests/vllm $(foreach t,$(SAN_SKIP),--ignore=tests/$(t).py)
 	PYTHONPATH=$(abspath $(SAN_SITE)) $(SAN) run $(PY) tools/chaos $(SAN_CHAOS_ARGS)
 	PYTHONPATH=$(abspath $(SAN_SITE)) $(SAN) run $(PY) tools/fuzz_attach.py $(SAN_FUZZ_ARGS)
 
 # What CI's steps need, made once before any of them starts (.ci/run), so that nothing
-# installs into a venv while another step runs from it: the vLLM venv (after redis-server
-# and clang from Debian, one apt-get at a time) beside .venv's own chain, which stays one
-# pip at a time.
-ci-setup:
-	@( $(MAKE) --no-print-directory redis clang && \
-	   $(MAKE) --no-print-directory $(VLLM_DEPS) ) & bg=$$!; \
-	$(MAKE) --no-print-directory install $(VENV)/.lint $(VENV)/.docs model; m=$$?; \
-	wait $$bg; b=$$?; [ $$m = 0 ] && [ $$b = 0 ]
+# installs into a venv while another step runs from it: redis-server and clang from Debian
+# (one apt-get at a time), then the vLLM venv beside .venv's own chain (one pip at a
+# time: the release build, lint's and docs' tools, the model, the sanitizer build).
+ci-setup: redis clang
+	@$(MAKE) --no-print-directory $(VLLM_DEPS) & bg=$$!; \
+	$(MAKE) --no-print-directory install $(VENV)/.lint $(VENV)/.docs model $(SAN_SITE)/.built; \
+	m=$$?; wait $$bg; b=$$?; [ $$m = 0 ] && [ $$b = 0 ]
 	$(MAKE) --no-print-directory test-vllm-deps
 
 # clang for make sanitize and make fuzz-c (tools/sanitize/san installs clang-19 from Debian
