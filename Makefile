@@ -246,8 +246,8 @@ SAN_FUZZ_ARGS ?= --count 10000 --batch 2500
 SAN_SKIP := test_docs_examples test_demo test_real_model test_quant_real test_models \
 	test_compat test_constraints test_kernel_layers test_cli_png test_chaos test_fuzz
 # The instrumented build goes into a directory of its own, first on PYTHONPATH for these
-# runs (and every process they start): .venv keeps its release build, so make sanitize
-# can run beside targets that need that one (CI runs it beside make test).
+# runs (and every process they start): .venv keeps its release build, so nothing that
+# runs after make sanitize needs a rebuild, and the build can be made ahead (ci-setup).
 SAN_SITE := .san-site
 $(SAN_SITE)/.built: $(DEPS) $(SRC)
 	$(SAN) build $(PY) $(SAN_SITE)

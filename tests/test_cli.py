@@ -159,7 +159,9 @@ def test_every_command_on_a_live_segment(shmkv_cli, names, workers, tmp_path):
         stop = SPAWN.Event()
         started = [SPAWN.Event() for _ in range(2)]
         for i in range(2):
-            p = SPAWN.Process(target=cli_workers.churn, args=(name, 30.0, i, started[i], stop))
+            # they work until `stop` below: 600 s is only a cap (a loaded host under make
+            # sanitize took longer than 30 s to get to `top`, and found them gone)
+            p = SPAWN.Process(target=cli_workers.churn, args=(name, 600.0, i, started[i], stop))
             p.start()
             workers.append(p)
         for e in started:
