@@ -126,9 +126,11 @@ static void shmkv_block_decref_locked(shmkv_ctx_t *c, uint32_t b) {
     if (m->flags & SHMKV_BLOCK_HASHED) {
         m->last_access = ++c->sh->lru_clock;
         shmkv_lru_push_tail_locked(c, b);
-    } else {
+    } else if (c->sh->free_top < c->cfg.num_blocks) {
         c->free_stack[c->sh->free_top++] = b;
-    }
+    }   /* else a free stack already full: the segment contradicts itself (free_top is
+         * read from it); the block is not pushed past the stack, and the next full
+         * recovery pass, which recounts every reference, frees it */
 }
 
 /* ---- the hash index (block hash -> block id), open addressing ------------------------- */

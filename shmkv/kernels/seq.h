@@ -80,7 +80,9 @@ static int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot) {
     shmkv_atomic_store_u32_release(&q->len, 0);
     q->hashed = 0;
     q->owner = 0;
-    c->seq_free[c->sh->seq_free_top++] = slot;
+    if (c->sh->seq_free_top < c->cfg.max_seqs)   /* (read from the segment: never past
+                                                     the stack; recovery recounts it) */
+        c->seq_free[c->sh->seq_free_top++] = slot;
     shmkv_atomic_store_u64_release(&q->writer, 0);
     shmkv_count_hot(c, SHMKV_PC_SEQS_FREED, 1);
     return SHMKV_OK;
