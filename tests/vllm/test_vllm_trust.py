@@ -72,3 +72,24 @@ def test_open_segment_refuses_another_users_segment_unless_trusted(spec_for):
     trusting = dataclasses.replace(spec, trusted_owners=frozenset({NOBODY}))
     with open_segment(trusting) as kv:
         assert kv.config == spec.config
+
+
+def test_off_reason_names_the_segment_and_the_fix_for_each_cause(spec_for):
+    import errno
+
+    from shmkv.integrations.vllm.segment import off_reason
+
+    spec = spec_for()
+    n = spec.name
+    cases = [
+        (shmkv.UntrustedSegmentError("owned by nobody"), f"shmkv rm {n}"),
+        (shmkv.SegmentError("layout differs"), "another segment name"),
+        (OSError(errno.ENOSPC, "No space left on device"), "--shm-size"),
+        (PermissionError(errno.EACCES, "Permission denied"), "segment_mode 0o660"),
+        (RuntimeError("something else"), f"shmkv check {n} tells"),
+    ]
+    for e, fix in cases:
+        text = off_reason(spec, e)
+        assert text.startswith(f"segment {n!r}: {type(e).__name__}: "), text
+        assert fix in text, (fix, text)
+        assert "NAME" not in text, text

@@ -220,7 +220,7 @@ def off_reason(spec: SegmentSpec, e: BaseException) -> str:
         fix = ("run the engines as the segment's owner, or create it for a group "
                "(segment_mode 0o660, segment_group)")
     else:
-        fix = "see the cause above; shmkv check NAME tells what the segment holds"
+        fix = f"see the cause above; shmkv check {name} tells what the segment holds"
     return f"segment {name!r}: {what}. Fix: {fix}"
 
 
