@@ -20,6 +20,7 @@ PYTEST_ARGS ?=
 	test-compat compat-latest dist-check docs
 .PHONY: demo-serve
 .PHONY: bench-serve
+.PHONY: bench-recover
 
 all: install
 
@@ -55,6 +56,10 @@ cluster-stop: install
 # Two segments standing for two hosts, one cluster (make cluster first).
 two-hosts: install
 	$(PY) tools/two_hosts.py --url redis://127.0.0.1:$(firstword $(subst $(comma), ,$(CLUSTER_PORTS)))
+
+# recovery's cost (benchmarks/recover_bench.py; run from /tmp: the installed package)
+bench-recover: install
+	cd /tmp && $(abspath $(PY)) $(abspath benchmarks/recover_bench.py)
 
 bench-tier: install bench-deps redis
 	$(PY) benchmarks/tier_bench.py

@@ -37,7 +37,8 @@ cdef extern from "kernels/kernels.h" nogil:
 
     ctypedef struct shmkv_recovery_t:
         uint64_t processes, sequences, blocks, locks, tails, refcounts_fixed, corrupt
-        uint64_t duration_ns
+        uint64_t duration_ns, blocks_visited
+        uint32_t full, busy
 
     ctypedef struct shmkv_grow_plan_t:
         uint32_t len, new_blocks, cow_index
@@ -149,6 +150,9 @@ cdef extern from "kernels/kernels.h" nogil:
     void shmkv_proc_unregister_locked(shmkv_ctx_t *c)
     int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r)
     int shmkv_any_dead_locked(shmkv_ctx_t *c)
+    int shmkv_recover_needed(shmkv_ctx_t *c)
+    int shmkv_recover_dead_locked(shmkv_ctx_t *c, shmkv_recovery_t *r)
+    int shmkv_recover_scheduled(shmkv_ctx_t *c, shmkv_recovery_t *r)
     uint32_t shmkv_index_find_locked(shmkv_ctx_t *c, const uint64_t *h)
     int shmkv_index_insert_locked(shmkv_ctx_t *c, const uint64_t *h, uint32_t b)
     # KV events (kernels/events.h)

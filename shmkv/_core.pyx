@@ -269,7 +269,7 @@ cdef class _Attachment:
         try:
             st = shmkv_proc_register_locked(c, pid, _proc_start_time(pid))
             if st == SHMKV_EPROCFULL:
-                st = shmkv_recover_locked(c, &r)
+                st = shmkv_recover_dead_locked(c, &r)      # dead processes' slots back
                 if st == SHMKV_OK:
                     st = shmkv_proc_register_locked(c, pid, _proc_start_time(pid))
         finally:

@@ -10,7 +10,9 @@ bytes), and the kernel-only timing hooks of the benchmarks.
 
 Writes: check() and snapshot() write nothing in the segment (check() only try-locks idle
 sequences and every process cache, and releases them); stats() writes the sampled
-shared.peak_used; recover() runs a recovery pass (shmkv_recover_locked) under pool_lock.
+shared.peak_used; recover() runs a recovery pass: the scheduled one (shmkv_recover_scheduled:
+the gate, one recoverer, the pass of what died) or, with full=True, the full pass
+(shmkv_recover_locked) under pool_lock.
 """
 import os
 
@@ -31,27 +33,49 @@ bind_debug_state()
 
 
 cdef class InspectOps(Segment):
-    def recover(self):
+    def recover(self, full=False):
         """Reclaim what dead processes held.
+
+        Without ``full`` (the pass to run on a schedule): when no attached process is
+        dead and no earlier pass left work pending, it returns at once, all zeros,
+        without taking the pool lock or reading the pool (the process table only).  When
+        another process is recovering right now it returns at once with ``busy``.  Else
+        it reclaims what died: the dead processes' sequences, the locks they held, their
+        unpublished tails and in-flight blocks -- O(their blocks), not O(pool) -- and
+        falls back to the full pass only where a death may have left something
+        half-changed (a fast path's lock held by the dead, a corrupt table).
+
+        With ``full=True``: the full pass (the repair) -- every refcount recounted and
+        every list, the index and the free stacks rebuilt from the tables, O(pool)
+        under the pool lock, whatever is dead or not.
 
         Returns
         -------
         dict
             ``sequences`` and ``blocks`` reclaimed, ``processes`` found dead, ``locks``
             taken from dead holders, unpublished ``tail_blocks`` trimmed,
-            ``refcounts_fixed``, ``corrupt_sequences`` dropped, ``duration_s``.
+            ``refcounts_fixed``, ``corrupt_sequences`` dropped, ``duration_s``;
+            ``full`` (the full pass ran), ``busy`` (another process was recovering:
+            nothing done), ``blocks_visited`` (block entries read: 0 when no pass ran,
+            the dead's table entries and in-flight blocks, ``num_blocks`` for the full
+            pass).
         """
         cdef shmkv_ctx_t *c = ctx_of(self)
         cdef shmkv_recovery_t r
         cdef int st
-        pool_lock(c)
-        st = shmkv_recover_locked(c, &r)
-        shmkv_pool_unlock(c)
+        if full:
+            pool_lock(c)
+            st = shmkv_recover_locked(c, &r)
+            shmkv_pool_unlock(c)
+        else:
+            with nogil:
+                st = shmkv_recover_scheduled(c, &r)
         if st != SHMKV_OK:
             raise_status(st, "recover")
         return dict(sequences=r.sequences, blocks=r.blocks, processes=r.processes,
                     locks=r.locks, tail_blocks=r.tails, refcounts_fixed=r.refcounts_fixed,
-                    corrupt_sequences=r.corrupt, duration_s=r.duration_ns / 1e9)
+                    corrupt_sequences=r.corrupt, duration_s=r.duration_ns / 1e9,
+                    full=bool(r.full), busy=bool(r.busy), blocks_visited=r.blocks_visited)
 
     def stats(self):
         """Counters and gauges of the whole segment (every process).
@@ -540,7 +564,8 @@ cdef extern from *:
         SHMKV_FH(layout, "Q"), SHMKV_FH(creator_pid, "Q"), SHMKV_FH(create_time_ns, "Q"),
         SHMKV_FH(hash_seed, "Q"), SHMKV_FH(checksum, "Q"), {0} };
     static const shmkv_field_t SHMKV_SHARED_FIELDS[] = {
-        SHMKV_FS(state, "I"), SHMKV_FS(pool_lock, "B"), SHMKV_FS(free_top, "I"),
+        SHMKV_FS(state, "I"), SHMKV_FS(recover_pending, "I"), SHMKV_FS(recoverer, "Q"),
+        SHMKV_FS(recoverer_since_ns, "Q"), SHMKV_FS(pool_lock, "B"), SHMKV_FS(free_top, "I"),
         SHMKV_FS(cached_count, "I"), SHMKV_FS(lru_head, "I"), SHMKV_FS(lru_tail, "I"),
         SHMKV_FS(seq_free_top, "I"), SHMKV_FS(num_procs, "I"), SHMKV_FS(peak_used, "I"),
         SHMKV_FS(index_used, "I"), SHMKV_FS(index_tombs, "I"), SHMKV_FS(lru_clock, "Q"),

@@ -106,8 +106,10 @@ cdef class DataOps(QuantOps):
                 st = shmkv_seq_grow_locked(c, slot, pl, &target)
             if st == SHMKV_EFULL:
                 # recovery before raising CacheFullError: dead processes' blocks return
-                # (a full pass only when someone is dead: a saturated pool stays cheap)
-                if (shmkv_any_dead_locked(c) and shmkv_recover_locked(c, &r) == SHMKV_OK
+                # (a pass only when someone is dead, and only over what died: a
+                # saturated pool stays cheap)
+                if (shmkv_recover_needed(c)
+                        and shmkv_recover_dead_locked(c, &r) == SHMKV_OK
                         and (r.blocks or r.sequences)):
                     st = shmkv_seq_plan(c, slot, n, pl)
                     if st == SHMKV_OK:

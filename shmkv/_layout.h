@@ -248,7 +248,18 @@ typedef struct {
 /* ---- mutable shared state ----------------------------------------------------------- */
 typedef struct {
     uint32_t state;            /* INIT while the creator builds; READY (release) last */
-    uint32_t _pad0[15];
+    /* --- the recovery gate (kernels/recover.h, ops.h): read without the pool lock --- */
+    uint32_t recover_pending;  /* 1: a pass had to leave work for a later one (a dead
+                                  owner's sequence a live process held locked, a
+                                  leaver's sequence someone held): the next scheduled
+                                  pass runs although no process is dead.  Written under
+                                  pool_lock; read anywhere */
+    uint64_t recoverer;        /* proc token of the process running a scheduled pass
+                                  (recover() without full), 0 = none: one at a time.
+                                  CAS; a dead or stale holder's is taken over */
+    uint64_t recoverer_since_ns; /* CLOCK_MONOTONIC when the recoverer took it (a hint:
+                                  a holder older than the taker's lock bound is stale) */
+    uint32_t _pad0[10];
     pthread_mutex_t pool_lock; /* robust, process-shared; see the file comment */
     uint8_t  _pad1[SHMKV_LINE - (sizeof(pthread_mutex_t) % SHMKV_LINE)];
     /* --- protected by pool_lock; readers without the lock load them relaxed --- */
@@ -422,6 +433,7 @@ _Static_assert(sizeof(shmkv_index_t) == 24, "index entry size");
 _Static_assert(sizeof(shmkv_layout_t) == 22 * 8,
                "layout: 15 fields + the event ring's 2 + the quant region's 5");
 _Static_assert(offsetof(shmkv_shared_t, pool_lock) % SHMKV_LINE == 0, "lock on its own line");
+_Static_assert(offsetof(shmkv_shared_t, pool_lock) == SHMKV_LINE, "state and the gate: one line");
 _Static_assert(SHMKV_NCOUNTERS <= SHMKV_COUNTER_SLOTS, "too many counters");
 _Static_assert(sizeof(shmkv_event_ring_t) == SHMKV_LINE, "event ring head: one line");
 _Static_assert(sizeof(shmkv_event_t) == 64, "event record header size");
@@ -460,6 +472,9 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     /* the sequence flags a peer must honour: a build without truncate would write into a
      * block SHMKV_SEQF_COW_TAIL says others still read (same layout, other meaning) */
     h = shmkv_mix(h, SHMKV_SEQF_COW_TAIL);
+    /* the recovery gate: a peer build that neither sets recover_pending nor honours the
+     * recoverer word would leave a scheduled pass blind to what it left (same layout) */
+    h = shmkv_mix(h, offsetof(shmkv_shared_t, recoverer));
     return h;
 }
 

@@ -65,7 +65,8 @@ cdef extern from "_layout.h" nogil:
     ctypedef struct pthread_mutex_t:
         pass
     ctypedef struct shmkv_shared_t:
-        uint32_t state
+        uint32_t state, recover_pending
+        uint64_t recoverer, recoverer_since_ns
         pthread_mutex_t pool_lock
         uint32_t free_top, cached_count, lru_head, lru_tail, seq_free_top
         uint32_t _unused0, num_procs, peak_used, index_used, index_tombs

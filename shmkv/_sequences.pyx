@@ -130,8 +130,8 @@ cdef class SequenceOps(PrefixOps):
         st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
         if st == SHMKV_ESEQFULL and shmkv_pcache_drain_all_locked(c) == SHMKV_OK:
             st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
-        if (st == SHMKV_ESEQFULL and shmkv_any_dead_locked(c)
-                and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences):
+        if (st == SHMKV_ESEQFULL and shmkv_recover_needed(c)
+                and shmkv_recover_dead_locked(c, &r) == SHMKV_OK and r.sequences):
             st = shmkv_seq_create_locked(c, <uint32_t>priority, &sid)
         if st == SHMKV_OK:
             shmkv_pcache_balance_locked(c)
@@ -182,8 +182,8 @@ cdef class SequenceOps(PrefixOps):
         st = shmkv_seq_fork_locked(c, s, &child)
         if st == SHMKV_ESEQFULL and shmkv_pcache_drain_all_locked(c) == SHMKV_OK:
             st = shmkv_seq_fork_locked(c, s, &child)
-        if (st == SHMKV_ESEQFULL and shmkv_any_dead_locked(c)
-                and shmkv_recover_locked(c, &r) == SHMKV_OK and r.sequences):
+        if (st == SHMKV_ESEQFULL and shmkv_recover_needed(c)
+                and shmkv_recover_dead_locked(c, &r) == SHMKV_OK and r.sequences):
             st = shmkv_seq_fork_locked(c, s, &child)
         shmkv_pool_unlock(c)
         shmkv_seq_unlock(c, slot)

@@ -45,7 +45,7 @@ def die_in(name, point, op, disarm):
     elif op == "truncate":
         cache.truncate(sid, bs + 1)                        # _sequences
     elif op == "recover":
-        cache.recover()                                    # _inspect
+        cache.recover(full=True)                           # _inspect
     elif op == "reset":
         cache.reset_prefix_cache()                         # _events
     os._exit(0)                                            # the point did not fire

@@ -181,9 +181,10 @@ run `shmkv recover NAME`.""")
                          "another user's segment is refused otherwise, root included")
 
     sp = cmd("recover", "reclaim what dead processes held; print what was reclaimed",
-             "Run a recovery pass: free the sequences and blocks of processes that died,\n"
-             "release locks they held, trim unpublished tails, fix refcounts.  Detached\n"
-             "sequences and live processes are never touched.  Safe while workers run.",
+             "Run the full recovery pass: free the sequences and blocks of processes that\n"
+             "died, release locks they held, trim unpublished tails, recount every refcount\n"
+             "and rebuild the lists (O(pool), under the pool lock).  Detached sequences and\n"
+             "live processes are never touched.  Safe while workers run.",
              cmd_recover)
     name_arg(sp)
     sp.add_argument("--timeout", type=float, default=10.0,

@@ -29,7 +29,7 @@ def cmd_recover(args):
     before = analyze(load(args.name))["dead"]
     cache = attach(args.name, args.timeout, args.trust)
     try:
-        r = cache.recover()
+        r = cache.recover(full=True)       # the repair: every refcount and list rebuilt
     except LockTimeout:
         raise CLIError(f"{args.name}: timed out waiting for the pool lock") from None
     finally:
@@ -51,7 +51,7 @@ def cmd_check(args):
     repair = None
     try:
         if args.repair:
-            repair = cache.recover()
+            repair = cache.recover(full=True)
         problems = list(cache.check())
     except LockTimeout:
         raise CLIError(f"{args.name}: timed out waiting for the pool lock") from None

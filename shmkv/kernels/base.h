@@ -126,6 +126,11 @@ typedef struct {
     uint64_t refcounts_fixed;   /* blocks whose ref_cnt was rewritten */
     uint64_t corrupt;           /* sequences dropped because their table was corrupt */
     uint64_t duration_ns;
+    uint64_t blocks_visited;    /* block entries the pass read: 0 when no pass ran; the
+                                   dead's table entries and in-flight records (the pass
+                                   of what died); num_blocks (a full pass walks the pool) */
+    uint32_t full;              /* 1: the full pass ran (every derived structure rebuilt) */
+    uint32_t busy;              /* 1: another process was recovering; nothing was done */
 } shmkv_recovery_t;
 
 static inline int64_t shmkv_now_ns(clockid_t clk) {

@@ -36,6 +36,50 @@ static int shmkv_pool_lock(shmkv_ctx_t *c) {
     return st == SHMKV_EDEADHOLDER ? shmkv__owner_died(c) : st;
 }
 
+/* ---- a scheduled recovery pass: recover() ------------------------------------------------- */
+/* The pass a process runs on its own schedule (the vLLM connector's housekeeping, a
+ * caller's recover()): cheap when nothing died, one recoverer at a time, and the pass of
+ * what died when something did.
+ *   1. The gate, with no lock: shmkv_recover_needed (the process table only).  Nothing
+ *      dead and nothing pending: return at once, all zeros -- the pool lock is not
+ *      taken and the pool not walked.
+ *   2. One recoverer: the recoverer word, CAS 0 -> our token.  Held by another live
+ *      process since less than our lock bound: return at once with busy = 1 (it is
+ *      reclaiming what we would).  A dead or stale holder's word is taken over.
+ *   3. The pool lock (bounded wait); a dead holder of it means the full pass (as every
+ *      locker does), else shmkv_recover_dead_locked.
+ * Call without the GIL.  OK, ETIMEDOUT (the pool lock), or a recovery error. */
+static int shmkv_recover_scheduled(shmkv_ctx_t *c, shmkv_recovery_t *r) {
+    memset(r, 0, sizeof *r);
+    if (!shmkv_recover_needed(c)) return SHMKV_OK;
+    shmkv_shared_t *sh = c->sh;
+    uint64_t me = c->proc_token ? c->proc_token : 1;
+    int64_t now = shmkv_now_ns(CLOCK_MONOTONIC);
+    uint64_t cur = shmkv_atomic_load_u64(&sh->recoverer);
+    if (cur != 0 && cur != me && shmkv_proc_alive(c, cur)) {
+        int64_t age = now - (int64_t)shmkv_atomic_load_u64_relaxed(&sh->recoverer_since_ns);
+        if (age >= 0 && age < c->timeout_ns + 1000000000LL) {   /* (a time ahead of ours:
+                                                             garbage, taken over) */
+            r->busy = 1;
+            return SHMKV_OK;
+        }
+    }
+    if (!shmkv_atomic_cas_u64(&sh->recoverer, cur, me)) { r->busy = 1; return SHMKV_OK; }
+    __atomic_store_n(&sh->recoverer_since_ns, (uint64_t)now, __ATOMIC_RELAXED);
+    int st = shmkv__pool_lock_raw(c);
+    if (st == SHMKV_EDEADHOLDER) {         /* as shmkv__owner_died, keeping the report */
+        shmkv_count(c, SHMKV_C_OWNER_DEAD, 1);
+        st = shmkv_recover_locked(c, r);
+        pthread_mutex_consistent(&sh->pool_lock);
+        shmkv_pool_unlock(c);
+    } else if (st == SHMKV_OK) {
+        st = shmkv_recover_dead_locked(c, r);
+        shmkv_pool_unlock(c);
+    }
+    shmkv_atomic_cas_u64(&sh->recoverer, me, 0);    /* unless taken over meanwhile */
+    return st;
+}
+
 /* ---- a sequence lock, taking over a dead holder's ---------------------------------------- */
 /* Waits at most ctx->timeout_ns (shmkv__seq_lock_wait); a dead holder's lock is taken
  * over after a recovery pass (which also reclaims what the holder had in flight), and
@@ -51,7 +95,7 @@ static int shmkv_seq_lock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot) {
         st = shmkv_pool_lock(c);
         if (st != SHMKV_OK) return st;
         shmkv_recovery_t r;
-        st = shmkv_recover_locked(c, &r);    /* clears the lock, frees in-flight */
+        st = shmkv_recover_dead_locked(c, &r);   /* clears the lock, frees in-flight */
         shmkv_pool_unlock(c);
         if (st != SHMKV_OK) return st;
         /* the bound holds even if the holder's lock survived */
@@ -162,8 +206,14 @@ static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
     for (uint32_t s = 0; s < c->cfg.max_seqs; s++) {
         shmkv_seq_t *q = &c->seqs[s];
         if (q->state != SHMKV_SEQ_LIVE || q->owner != c->proc_token) continue;
-        if (!shmkv_atomic_cas_u64(&q->writer, 0, c->proc_token)) continue;
-        if (shmkv_seq_free_locked(c, s) != SHMKV_OK) shmkv_seq_unlock(c, s);
+        if (!shmkv_atomic_cas_u64(&q->writer, 0, c->proc_token)) {
+            shmkv_recover_later_locked(c, SHMKV_PENDING_DEAD);   /* a later pass's */
+            continue;
+        }
+        if (shmkv_seq_free_locked(c, s) != SHMKV_OK) {
+            shmkv_seq_unlock(c, s);
+            shmkv_recover_later_locked(c, SHMKV_PENDING_FULL);   /* a corrupt table */
+        }
     }
     shmkv_proc_t *p = &c->procs[c->proc_slot];
     for (uint32_t j = 0; j < SHMKV_INFLIGHT_PER_PROC; j++) {
@@ -174,7 +224,9 @@ static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
     if (shmkv_pcache_lock_recover_locked(c, p) == SHMKV_OK) {
         shmkv__pcache_spill_locked(c, p, 0, 0);
         shmkv_pcache_unlock(p);
-    }   /* else: a recovery pass returns them (the slot is released below either way) */
+    } else {   /* the full pass returns them (the slot is released below either way) */
+        shmkv_recover_later_locked(c, SHMKV_PENDING_FULL);
+    }
     shmkv__fold_proc_counters(c, p);
     shmkv_atomic_store_u32(&p->state, SHMKV_PROC_FREE);
     if (c->sh->num_procs > 0) c->sh->num_procs--;

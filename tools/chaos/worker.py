@@ -181,7 +181,9 @@ class Worker(OwnOps, PoolOps):
         elif r < 0.95:
             self.op_events()
         elif r < 0.98:
-            self.call("recover", self.cache.recover)
+            # both passes: the scheduled one (the pass of what died, when something
+            # did) and the full one, which reaches recover_mid with nothing dead too
+            self.call("recover", self.cache.recover, full=self.rng.random() < 0.5)
         else:
             problems = self.call("check", self.cache.check)
             if problems:

@@ -469,10 +469,15 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
     def _housekeeping(self) -> None:
         """Once a second, on the worker: recover what dead processes left in the segment
         (a killed instance's unpublished saves, its sequences: freed, never published),
-        then read the segment's gauges.  Any surviving instance does it within ~1 s."""
+        then read the segment's gauges.  Any surviving instance does it within ~1 s.
+
+        Only rank 0 of a tensor-parallel instance recovers (its other ranks' passes
+        would find the same dead); the pass itself reads only the process table when
+        nothing died (no pool lock, no walk of the pool), returns at once when another
+        process is recovering (``busy``), and reclaims in O(what died)."""
         assert self._kv is not None
         try:
-            got = self._kv.recover()
+            got = self._kv.recover() if self._tp is None or self._tp.rank == 0 else {}
             if got.get("processes") or got.get("sequences") or got.get("blocks"):
                 log.info("shmkv: reclaimed %d dead processes, their %d sequences and %d "
                          "blocks, from segment %r", got.get("processes", 0),
