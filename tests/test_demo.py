@@ -162,12 +162,15 @@ def test_checker_tells_equal_near_tie_and_mismatch(monkeypatch):
     bad_out[3] = (bad_out[3] + 1) % model.config.vocab_size
     bad = Request(rid=1, conv=0, turn=0, kind="handoff", max_new=8, user="", prompt=prompt,
                   output=bad_out)
-    res = report.check_outputs([good, bad], model, chat.eos, NoBar)
-    assert res["equal"] == [0] and not res["near"]
-    assert [d["rid"] for d in res["bad"]] == [1] and res["bad"][0]["step"] == 3
-    assert res["bad"][0]["gap"] > 0
+    # two checker processes (the demo's way: one per core), then this process alone:
+    # the same verdicts
+    for procs in (2, 1):
+        res = report.check_outputs([good, bad], model, chat.eos, NoBar, procs=procs)
+        assert res["equal"] == [0] and not res["near"], procs
+        assert [d["rid"] for d in res["bad"]] == [1] and res["bad"][0]["step"] == 3, procs
+        assert res["bad"][0]["gap"] > 0
     monkeypatch.setattr(report, "NEAR_TIE", 1e9)        # everything is "close"
-    res = report.check_outputs([bad], model, chat.eos, NoBar)
+    res = report.check_outputs([bad], model, chat.eos, NoBar, procs=1)
     assert [d["rid"] for d in res["near"]] == [1] and not res["bad"]
 
 

@@ -1,13 +1,14 @@
 """The demo's checking and its results table.
 
-Checking, not assuming: every request is generated again in this one process with
-transformers' own ``DynamicCache`` and ``attn_implementation="sdpa"`` from the very prompt
-the worker saw.  Greedy requests must give the same token ids, beam requests the same
-best sequence.  Where a token differs, the reference logits at the first differing step
-say whether that step was a near-tie (the two candidates' logits within 1e-4 of the
-logits' scale: a rounding difference between two correct attention kernels can flip it);
-near-ties are counted apart and explained, any other difference is a mismatch and the
-demo exits 1.
+Checking, not assuming: every request is generated again with transformers' own
+``DynamicCache`` and ``attn_implementation="sdpa"`` from the very prompt the worker saw,
+by one checker process per core (a 135M model at batch 1 does not use a second thread:
+one process checking 36 answers took ~5 minutes of one core). Greedy requests must give
+the same token ids, beam requests the same best sequence. Where a token differs, the
+reference logits at the first differing step say whether that step was a near-tie (the
+two candidates' logits within 1e-4 of the logits' scale: a rounding difference between
+two correct attention kernels can flip it); near-ties are counted apart and explained,
+any other difference is a mismatch and the demo exits 1.
 """
 from __future__ import annotations
 
@@ -56,55 +57,95 @@ def _first_diff(a, b):
     return min(len(a), len(b)) if len(a) != len(b) else None
 
 
-def check_outputs(reqs, model, eos, Progress):
-    """Recompute every request with DynamicCache; -> dict(equal, near_ties, mismatches)."""
+_MODEL = None      # a checker process's reference model (loaded by _checker_init)
+
+
+def _checker_init() -> None:
+    """A checker process: one thread (there is one checker per core), its own model."""
+    global _MODEL
+    import torch
+
+    from .model import load_model
+
+    torch.set_num_threads(1)
+    _MODEL = load_model("sdpa")[1]
+
+
+def check_one(model, req, eos):
+    """Recompute one request with DynamicCache: ``(verdict, rid, detail)``, verdict
+    "equal", "near" (a near-tie at the first differing step) or "bad"."""
     import torch
     from transformers import DynamicCache
 
-    equal, near, bad = [], [], []
+    rid, prompt, output, kind, max_new, score = req
+    ids = torch.tensor([prompt], dtype=torch.long)
+    kind = "beam" if kind == "beam" else "plain"
+    kw = gen_kwargs(kind, max_new, ids, eos)
+    kw.update(return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    ref = cut_at_eos(out.sequences[0, len(prompt):].tolist(), eos)
+    j = _first_diff(output, ref)
+    if j is None:
+        return "equal", rid, None
+    if kind == "beam":
+        ref_score = float(out.sequences_scores[0])
+        gap = abs(ref_score - score)
+        tie = gap <= NEAR_TIE * max(1.0, abs(ref_score))
+        return ("near" if tie else "bad"), rid, dict(rid=rid, step=j, gap=gap, beam=True,
+                                                     ours=output, ref=ref)
+    # greedy: at step j both runs had the same prefix; the reference logits there say how
+    # close our token was to its choice
+    logits = out.scores[j][0] if j < len(out.scores) else None
+    if logits is None or j >= len(output):
+        return "bad", rid, dict(rid=rid, step=j, gap=float("inf"), beam=False, ours=output,
+                                ref=ref)
+    gap = float(logits[ref[j]] - logits[output[j]])
+    scale = float(logits.abs().max())
+    tie = gap <= NEAR_TIE * scale
+    return ("near" if tie else "bad"), rid, dict(rid=rid, step=j, gap=gap, scale=scale,
+                                                 beam=False, ours=output, ref=ref)
+
+
+def _check_in_checker(job):
+    req, eos = job
+    return check_one(_MODEL, req, eos)
+
+
+def check_outputs(reqs, model, eos, Progress, procs=None):
+    """Recompute every request with DynamicCache; -> dict(equal, near_ties, mismatches),
+    each in request order.  ``procs`` checker processes (default: one per core this
+    process may use; the workers are done by now), each with its own model; with one,
+    ``model`` checks them all here."""
+    import multiprocessing as mp
+
+    jobs = [((r.rid, list(r.prompt), list(r.output), r.kind, r.max_new, r.score), eos)
+            for r in reqs]
+    procs = min(procs or len(os.sched_getaffinity(0)), len(jobs)) or 1
+    got = {"equal": [], "near": [], "bad": []}
     bar = Progress(len(reqs), "checking")
-    # the workers are done: the reference run has every core this process may use (it ran
-    # on one, for as long as the serving itself)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     try:
-        for i, r in enumerate(reqs):
-            ids = torch.tensor([r.prompt], dtype=torch.long)
-            kind = "beam" if r.kind == "beam" else "plain"
-            kw = gen_kwargs(kind, r.max_new, ids, eos)
-            kw.update(return_dict_in_generate=True, output_scores=True)
-            with torch.no_grad():
-                out = model.generate(ids, past_key_values=DynamicCache(config=model.config),
-                                     **kw)
-            ref = cut_at_eos(out.sequences[0, len(r.prompt):].tolist(), eos)
-            j = _first_diff(r.output, ref)
-            if j is None:
-                equal.append(r.rid)
-            elif kind == "beam":
-                ref_score = float(out.sequences_scores[0])
-                gap = abs(ref_score - r.score)
-                tie = gap <= NEAR_TIE * max(1.0, abs(ref_score))
-                (near if tie else bad).append(dict(rid=r.rid, step=j, gap=gap, beam=True,
-                                                   ours=r.output, ref=ref))
-            else:
-                # greedy: at step j both runs had the same prefix; the reference logits
-                # there say how close our token was to its choice
-                logits = out.scores[j][0] if j < len(out.scores) else None
-                if logits is None or j >= len(r.output):
-                    bad.append(dict(rid=r.rid, step=j, gap=float("inf"), beam=False,
-                                    ours=r.output, ref=ref))
-                else:
-                    gap = float(logits[ref[j]] - logits[r.output[j]])
-                    scale = float(logits.abs().max())
-                    tie = gap <= NEAR_TIE * scale
-                    (near if tie else bad).append(dict(rid=r.rid, step=j, gap=gap,
-                                                       scale=scale, beam=False,
-                                                       ours=r.output, ref=ref))
-            bar.update(i + 1, f"{len(equal)} equal, {len(near)} near-tie, "
-                              f"{len(bad)} mismatch")
+        if procs == 1:
+            results = (check_one(model, req, e) for req, e in jobs)
+            pool = None
+        else:
+            # the fork server (started with torch and transformers imported) makes them
+            pool = mp.get_context("forkserver").Pool(procs, initializer=_checker_init)
+            results = pool.imap_unordered(_check_in_checker, jobs)
+        try:
+            for i, (verdict, rid, detail) in enumerate(results):
+                got[verdict].append((rid, detail))
+                bar.update(i + 1, f"{len(got['equal'])} equal, {len(got['near'])} near-tie, "
+                                  f"{len(got['bad'])} mismatch")
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
     finally:
-        torch.set_num_threads(threads)
         bar.close()
+    equal = sorted(rid for rid, _ in got["equal"])
+    near = [d for _, d in sorted(got["near"], key=lambda x: x[0])]
+    bad = [d for _, d in sorted(got["bad"], key=lambda x: x[0])]
     return dict(equal=equal, near=near, bad=bad)
 
 
