@@ -3,6 +3,7 @@ stopped (Ctrl-Z, a debugger, ``docker pause``) makes another process's operation
 ``lock_timeout`` at most, then raise LockTimeout (shared/API.md) -- and the bound runs on
 CLOCK_MONOTONIC, so a step of the wall clock does not stretch it.  (The pending table's
 lock: tests/test_pending.py.)"""
+import functools
 import os
 import signal
 import subprocess
@@ -101,10 +102,16 @@ def test_a_stopped_pool_lock_holder_makes_others_time_out(cache, holders):
     holder = _stopped_holder(holders, cache.name, "alloc_mid", sid)   # inside the pool lock
     cache.lock_timeout = 0.2
     waits = _core.snapshot(cache.name)["counters"]["lock_waits"]    # takes no lock
-    for op in (cache.check, cache.stats, cache.recover):    # each takes the pool lock
+    full_recover = functools.partial(cache.recover, full=True)
+    for op in (cache.check, cache.stats, full_recover):     # each takes the pool lock
         e = _raises(op)
         assert isinstance(e, shmkv.LockTimeout), (op, e)
     assert _core.snapshot(cache.name)["counters"]["lock_waits"] >= waits + 3
+    # the scheduled pass (the connector's once a second) reads only the process table
+    # when nobody died: a stopped holder is alive, so it returns at once, no lock taken
+    assert _raises(cache.recover) is None
+    r = cache.recover()
+    assert not r["full"] and not r["busy"] and r["blocks_visited"] == 0, r
     # the holder dies where it stopped: the next locker recovers, nothing is lost
     holder.kill()
     holder.wait(timeout=30)
@@ -115,12 +122,14 @@ def test_a_stopped_pool_lock_holder_makes_others_time_out(cache, holders):
 
 def test_a_stopped_process_cache_holder_makes_others_time_out(cache, holders):
     """A process stopped on its cache's fast path (its cache_lock held, not the pool
-    lock): a pass that takes every process cache's lock (check, recover) waits
-    lock_timeout for it, then raises LockTimeout and lets the pool lock go."""
+    lock): a pass that takes every process cache's lock (check, the full recovery pass)
+    waits lock_timeout for it, then raises LockTimeout and lets the pool lock go."""
     _stopped_holder(holders, cache.name, "grow_before_tail", warm=True)
     cache.lock_timeout = 0.2
     assert isinstance(_raises(cache.check), shmkv.LockTimeout)
-    assert isinstance(_raises(cache.recover), shmkv.LockTimeout)
+    assert isinstance(_raises(functools.partial(cache.recover, full=True)), shmkv.LockTimeout)
+    # the scheduled pass: nobody died, so it takes no lock and returns at once
+    assert _raises(cache.recover) is None
     # the pool lock was let go: what needs only it goes through
     sid = cache.create_sequence()
     cache.append(sid, tokens(cache.config, 2, 1), tokens(cache.config, 2, 1))
