@@ -8,6 +8,15 @@ import shmkv
 import shmkv._core as _core
 
 
+def segment_bytes(cache):
+    """A writable byte view of the whole segment (the mapping behind the pool views): the
+    tests play a crashed or hostile peer through it."""
+    base = cache.key_cache(0)
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    return memoryview(base)
+
+
 def tokens(cfg, n, value):
     a = np.full((cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim), value, cfg.numpy_dtype)
     return a

@@ -10,6 +10,7 @@ import pytest
 from attn_workers import tokens as _tokens
 from attn_workers import writer as _writer
 from conftest import ISAS
+from recovery_workers import segment_bytes
 
 import shmkv
 from shmkv import _attention, _core
@@ -456,19 +457,12 @@ def test_attention_after_close_is_an_error(make_cache):
 
 
 # ---- a hostile segment ----------------------------------------------------------------------
-def _raw(cache):
-    base = cache.key_cache(0)
-    while getattr(base, "base", None) is not None:
-        base = base.base
-    return memoryview(base)
-
-
 def _seq_field(cache, sid, field):
     lay = cache._debug_info()["layout"]
     seq = _core.struct_layout()["seq"]
     off, code = seq["fields"][field]
     slot = sid % cache.config.max_seqs
-    return np.ndarray((1,), np.dtype(code), buffer=_raw(cache),
+    return np.ndarray((1,), np.dtype(code), buffer=segment_bytes(cache),
                       offset=lay["off_seqs"] + seq["size"] * slot + off)
 
 
@@ -476,7 +470,7 @@ def _table_entry(cache, sid, i):
     lay = cache._debug_info()["layout"]
     width = cache.config.max_blocks_per_seq
     slot = sid % cache.config.max_seqs
-    return np.ndarray((1,), np.int32, buffer=_raw(cache),
+    return np.ndarray((1,), np.int32, buffer=segment_bytes(cache),
                       offset=lay["off_tables"] + 4 * (slot * width + i))
 
 

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from test_recovery import _raw
+from recovery_workers import segment_bytes
 
 import shmkv
 import shmkv._core as _core
@@ -33,7 +33,7 @@ def _field(cache, name, count=1):
     lay = _core.struct_layout()["proc"]
     off, fmt = lay["fields"][name][:2]
     dt = {"I": np.uint32, "Q": np.uint64}[fmt]
-    return np.ndarray((count,), dt, buffer=_raw(cache),
+    return np.ndarray((count,), dt, buffer=segment_bytes(cache),
                       offset=info["layout"]["off_procs"] + lay["size"] * info["proc_slot"] + off)
 
 
@@ -295,7 +295,7 @@ def test_sequence_ops_wait_for_the_sequence_lock(cache, op):
     cache.reserve(sid, 3)
     slot = sid % cache.config.max_seqs
     base = info["layout"]["off_seqs"] + seq["size"] * slot
-    writer = np.ndarray((1,), np.uint64, buffer=_raw(cache),
+    writer = np.ndarray((1,), np.uint64, buffer=segment_bytes(cache),
                         offset=base + seq["fields"]["writer"][0])
     writer[0] = info["proc_token"]                 # held, as by another call of ours
     before = cache.stats()

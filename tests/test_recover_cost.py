@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from recovery_workers import tokens
+from recovery_workers import segment_bytes, tokens
 
 import shmkv
 import shmkv._core as _core
@@ -23,26 +23,18 @@ ZERO = dict(sequences=0, blocks=0, processes=0, locks=0, tail_blocks=0, refcount
             corrupt_sequences=0, blocks_visited=0)
 
 
-def _raw(cache):
-    """A writable byte view of the whole segment (the mapping behind the pool views)."""
-    base = cache.key_cache(0)
-    while getattr(base, "base", None) is not None:
-        base = base.base
-    return memoryview(base)
-
-
 def _shared(cache, name):
     """A writable view of one field of the segment's shared state (to play a peer)."""
     off, fmt = _core.struct_layout()["shared"]["fields"][name][:2]   # segment offsets
     dt = {"I": np.uint32, "Q": np.uint64}[fmt]
-    return np.ndarray((1,), dt, buffer=_raw(cache), offset=off)
+    return np.ndarray((1,), dt, buffer=segment_bytes(cache), offset=off)
 
 
 def _seq_writer(cache, sid):
     lay = cache._debug_info()["layout"]
     seq = _core.struct_layout()["seq"]
     slot = sid % cache.config.max_seqs
-    return np.ndarray((1,), np.uint64, buffer=_raw(cache),
+    return np.ndarray((1,), np.uint64, buffer=segment_bytes(cache),
                       offset=lay["off_seqs"] + seq["size"] * slot + seq["fields"]["writer"][0])
 
 
@@ -157,7 +149,7 @@ def test_idle_pass_does_not_take_the_pool_lock(cache, children):
     """Another process holds the pool lock (a live one, stopped in its critical section):
     an idle recover() returns at once; the full pass waits and times out (so the lock
     really was held)."""
-    base = np.frombuffer(_raw(cache), np.uint8).ctypes.data
+    base = np.frombuffer(segment_bytes(cache), np.uint8).ctypes.data
     lock = ctypes.c_void_p(base + _core.struct_layout()["shared"]["fields"]["pool_lock"][0])
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -311,7 +303,7 @@ def test_a_death_inside_a_fast_path_gets_the_full_pass(cache, children):
     def die_in_fast_path(c):
         out = _die_holding(2, bs + 1)(c)
         info = c._debug_info()
-        lock = np.ndarray((1,), np.uint64, buffer=_raw(c),
+        lock = np.ndarray((1,), np.uint64, buffer=segment_bytes(c),
                           offset=off_procs + proc["size"] * info["proc_slot"]
                           + proc["fields"]["cache_lock"][0])
         lock[0] = info["proc_token"]                    # "inside" a fast path
@@ -335,7 +327,7 @@ def test_only_the_full_pass_repairs_what_no_death_explains(cache):
     blk = int(cache.block_table(s)[0])
     lay = cache._debug_info()["layout"]
     meta = _core.struct_layout()["block"]
-    rc = np.ndarray((1,), np.uint32, buffer=_raw(cache),
+    rc = np.ndarray((1,), np.uint32, buffer=segment_bytes(cache),
                     offset=lay["off_blocks"] + meta["size"] * blk + meta["fields"]["ref_cnt"][0])
     rc[0] = 7
     assert cache.check() != []

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 from conftest import SMALL, _unlink, unique_name
-from recovery_workers import tokens
+from recovery_workers import segment_bytes, tokens
 
 import shmkv
 import shmkv._core as _core
@@ -183,7 +183,7 @@ def test_lock_timeout_when_a_live_holder_keeps_a_sequence(cache):
     info = cache._debug_info()
     lay = info["layout"]
     seq = _core.struct_layout()["seq"]
-    writer = np.ndarray((1,), np.uint64, buffer=_raw(cache),
+    writer = np.ndarray((1,), np.uint64, buffer=segment_bytes(cache),
                         offset=lay["off_seqs"] + seq["size"] * slot + seq["fields"]["writer"][0])
     writer[0] = info["proc_token"]                       # the sequence lock word
     cache.lock_timeout = 0.3
@@ -194,14 +194,6 @@ def test_lock_timeout_when_a_live_holder_keeps_a_sequence(cache):
     writer[0] = 0
     cache.free(sid)
     assert cache.check() == []
-
-
-def _raw(cache):
-    """A writable byte view of the whole segment (the mapping behind the pool views)."""
-    base = cache.key_cache(0)
-    while getattr(base, "base", None) is not None:
-        base = base.base
-    return memoryview(base)
 
 
 def test_attach_fails_when_its_recovery_pass_fails(cache, procs):

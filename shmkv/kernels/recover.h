@@ -40,6 +40,19 @@ static int shmkv_recover_needed(shmkv_ctx_t *c) {
     return shmkv_atomic_load_u32(&c->sh->recover_pending) != 0 || shmkv_any_dead_locked(c);
 }
 
+/* The end of a recovery pass (either kind, the pool lock still held): its duration in
+ * `r` and in the segment's figures (last, max), the counters.  SHMKV_OK. */
+static int shmkv__recovery_done(shmkv_ctx_t *c, shmkv_recovery_t *r, int64_t t0) {
+    shmkv_shared_t *sh = c->sh;
+    r->duration_ns = (uint64_t)(shmkv_now_ns(CLOCK_MONOTONIC) - t0);
+    sh->last_recovery_ns = r->duration_ns;
+    if (r->duration_ns > sh->max_recovery_ns) sh->max_recovery_ns = r->duration_ns;
+    shmkv_count(c, SHMKV_C_RECOVERIES, 1);
+    shmkv_count(c, SHMKV_C_RECLAIMED_SEQS, r->sequences);
+    shmkv_count(c, SHMKV_C_RECLAIMED_BLOCKS, r->blocks);
+    return SHMKV_OK;
+}
+
 /* THE FULL PASS.  Rebuilds every piece of derived state from the truth (the LIVE sequences' tables and
  * the in-flight records of live processes):
  *   1. process slots whose holder is dead are released;
@@ -258,13 +271,7 @@ static int shmkv_recover_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
 
     r->full = 1;
     r->blocks_visited = NB;
-    r->duration_ns = (uint64_t)(shmkv_now_ns(CLOCK_MONOTONIC) - t0);
-    sh->last_recovery_ns = r->duration_ns;
-    if (r->duration_ns > sh->max_recovery_ns) sh->max_recovery_ns = r->duration_ns;
-    shmkv_count(c, SHMKV_C_RECOVERIES, 1);
-    shmkv_count(c, SHMKV_C_RECLAIMED_SEQS, r->sequences);
-    shmkv_count(c, SHMKV_C_RECLAIMED_BLOCKS, r->blocks);
-    return SHMKV_OK;
+    return shmkv__recovery_done(c, r, t0);
 }
 
 /* ---- the pass of what died ------------------------------------------------------------------ */
@@ -485,13 +492,7 @@ static int shmkv_recover_dead_locked(shmkv_ctx_t *c, shmkv_recovery_t *r) {
     shmkv__note_peak(c);
     shmkv_unquiesce_locked(c);
 
-    r->duration_ns = (uint64_t)(shmkv_now_ns(CLOCK_MONOTONIC) - t0);
-    sh->last_recovery_ns = r->duration_ns;
-    if (r->duration_ns > sh->max_recovery_ns) sh->max_recovery_ns = r->duration_ns;
-    shmkv_count(c, SHMKV_C_RECOVERIES, 1);
-    shmkv_count(c, SHMKV_C_RECLAIMED_SEQS, r->sequences);
-    shmkv_count(c, SHMKV_C_RECLAIMED_BLOCKS, r->blocks);
-    return SHMKV_OK;
+    return shmkv__recovery_done(c, r, t0);
 }
 
 #endif /* SHMKV_KERNELS_RECOVER_H */
