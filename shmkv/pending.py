@@ -5,14 +5,18 @@ instance).
 
 The marks live beside the segment, in the shared-memory object ``NAME.pending``
 (``/dev/shm/NAME.pending``; ``KVCache.unlink`` and ``shmkv unlink`` remove it with the
-segment): a fixed open-addressing table of 4096 records ``(key, pid, start, expires)``.
+segment): a fixed open-addressing table of 4096 records ``(key, owner, 0, expires)``.
 
 * ``key`` names one block of one prefix: a 64-bit chain hash of the salt and every token up
   to the block's end (:func:`prefix_keys`), never 0.
-* A mark is **owned by a process**: ``pid`` and that process's start time (``/proc/PID/stat``,
-  so a reused PID is not mistaken for the owner).  A mark whose owner is dead, or whose
-  ``expires`` (``CLOCK_MONOTONIC``, one clock for the whole host) has passed, is no mark:
-  it is reused by the next claim.  Nothing has to clean up after a killed process.
+* A mark is **owned by an opener** of the table (a :class:`PendingMarks`: one per engine):
+  a random 40-bit token, which its opener holds as an open-file-description lock
+  (``F_OFD_SETLK``) on one byte of the table file past its end.  A mark whose owner's
+  lock is gone (the kernel drops it when the owner's process dies, in whatever PID
+  namespace: containers sharing ``/dev/shm`` see each other's owners alive; pids mean
+  nothing there), or whose ``expires`` (``CLOCK_MONOTONIC``, one clock for the whole
+  host) has passed, is no mark: it is reused by the next claim.  Nothing has to clean up
+  after a killed process.
 * Every read and write happens under ``flock`` on the object's descriptor, which the
   kernel drops when its holder dies: a killed process never leaves the table locked.  A
   *stopped* one (Ctrl-Z, a debugger, ``docker pause``) can, so no wait for the lock is
@@ -26,10 +30,14 @@ segment): a fixed open-addressing table of 4096 records ``(key, pid, start, expi
   (a symlink, not a regular file, the wrong size, no magic, another version) raises
   :class:`PendingTableError`, and :class:`EngineMarks` turns the marks off with one
   warning on it while the engine serves on.
+* :meth:`PendingMarks.claim` decides in one critical section: either the prefix's first
+  block is another owner's (the caller waits: it lost) or every free key is now the
+  caller's.  Within one owner, :class:`EngineMarks` counts the requests that claimed a
+  key: a mark is dropped when the last of them finishes or is preempted.
 * Nothing read from the table is trusted beyond its own record: a record is a mark only
-  if its owner is a live process with the recorded start time and its deadline is within
-  :data:`MAX_TTL` of now.  A corrupted table can make a caller wait (up to its own bound)
-  or compute twice; it cannot make it read out of bounds or wait forever.
+  if its owner's lock is held and its deadline is within :data:`MAX_TTL` of now.  A
+  corrupted table can make a caller wait (up to its own bound) or compute twice; it
+  cannot make it read out of bounds or wait forever.
 """
 from __future__ import annotations
 
@@ -39,7 +47,9 @@ import hashlib
 import logging
 import mmap
 import os
+import secrets
 import stat
+import struct
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -57,11 +67,16 @@ PROBES = 32                     # linear probing stops here: a crowded table mar
 MAX_TTL = 3600.0                # a deadline further away than this is garbage
 LOCK_TIMEOUT = 0.05             # s: the longest a mark operation waits for the table's lock
 OPEN_TIMEOUT = 1.0              # s: the longest opening waits for a table being laid out
-VERSION = 1                     # the table's format (header and records)
+VERSION = 2                     # the table's format (header and records)
 _MAGIC = 0x53484B5650454E44     # "SHKVPEND"
 _HEADER = 64                    # magic u64, slots u32, version u32, then zeros
-_REC = np.dtype([("key", "<u8"), ("pid", "<i8"), ("start", "<u8"), ("expires", "<f8")])
+_REC = np.dtype([("key", "<u8"), ("owner", "<i8"), ("spare", "<u8"), ("expires", "<f8")])
 _SIZE = _HEADER + SLOTS * _REC.itemsize
+# an owner's token t (1 <= t < 2**40) is its OFD write lock on byte _OWNER_BASE + t of the
+# file: far past the table's bytes (a lock needs no bytes behind it)
+_OWNER_BITS = 40
+_OWNER_BASE = 1 << 41
+_FLOCK = struct.Struct("hhqqi4x")           # struct flock (x86-64, aarch64 Linux)
 
 
 def _header() -> bytes:
@@ -100,17 +115,11 @@ def prefix_keys(tokens: np.ndarray, block_size: int, salt: str) -> np.ndarray:
     return out
 
 
-def _start_time(pid: int) -> Optional[int]:
-    """The start time of process ``pid`` (clock ticks after boot), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    try:                        # the command name may hold spaces and parentheses
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (ValueError, IndexError):
-        return None
+def _owner_lock(fd: int, token: int, cmd: int) -> int:
+    """``fcntl(fd, cmd)`` (F_OFD_SETLK or F_OFD_GETLK) for a write lock on owner
+    ``token``'s byte; the l_type the kernel answers (F_UNLCK: nobody else holds it)."""
+    arg = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, _OWNER_BASE + token, 1, 0)
+    return _FLOCK.unpack(fcntl.fcntl(fd, cmd, arg))[0]
 
 
 class PendingTableError(SegmentError, ValueError):
@@ -182,11 +191,11 @@ class PendingMarks:
         self.timeout = float(timeout)
         self.timeouts = 0               # lock waits that ran past the bound (no marks)
         self._pid = os.getpid()
-        start = _start_time(self._pid)
-        self._start = 0 if start is None else start
         fd = self._open(float(open_timeout))
         try:
             self._mm = mmap.mmap(fd, _SIZE)
+            self._ino = os.fstat(fd).st_ino
+            self._token = self._take_token(fd)
         except BaseException:
             os.close(fd)
             raise
@@ -232,6 +241,38 @@ class PendingMarks:
             os.close(fd)
             raise
         return fd
+
+    def _take_token(self, fd: int) -> int:
+        """A token no other opener holds, locked (OFD) on ``fd``: this opener's identity
+        for as long as ``fd``'s open file description lives."""
+        for _ in range(64):
+            token = secrets.randbits(_OWNER_BITS) or 1
+            try:
+                _owner_lock(fd, token, fcntl.F_OFD_SETLK)
+                return token
+            except (BlockingIOError, PermissionError):
+                continue                # held by another opener: 1 in 2**40 per opener
+            except OSError as e:
+                raise self._error("os", f"open-file-description locks failed on it "
+                                  f"({type(e).__name__}: {e})",
+                                  "run on Linux >= 3.15, or set \"pending\": false") from None
+        raise self._error("os", "64 random owner tokens were all taken",
+                          "remove the file (rm " + self.path + ")")
+
+    def _after_fork(self) -> None:
+        """A forked child is another owner: its own descriptor (the inherited one's
+        description, its flock and its owner lock, are the parent's) and its own token."""
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            if os.fstat(fd).st_ino != self._ino:
+                raise self._error("os", "the file was replaced since this object opened it "
+                                  "(before a fork)", "open the pending marks again")
+            token = self._take_token(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(self._fd)              # the parent's description stays open in the parent
+        self._fd, self._token, self._pid = fd, token, os.getpid()
 
     def _label(self) -> str:
         return f"pending table of segment {self._segment!r}"
@@ -304,8 +345,8 @@ class PendingMarks:
         magic = int.from_bytes(head[0:8], "little")
         slots = int.from_bytes(head[8:12], "little")
         version = int.from_bytes(head[12:16], "little")
-        if magic == _MAGIC and slots == SLOTS and version in (0, VERSION):
-            return True                 # 0: written before the version field, same records
+        if magic == _MAGIC and slots == SLOTS and version == VERSION:
+            return True
         if not final:
             return False
         if magic != _MAGIC:
@@ -317,21 +358,23 @@ class PendingMarks:
                           "other version's processes are gone")
 
     # ------------------------------------------------------------------ internals
-    def _live(self, rec: np.void, now: float, alive: Dict[Tuple[int, int], bool]) -> bool:
-        """Whether ``rec`` is a mark (owner alive, deadline not passed and believable)."""
+    def _live(self, rec: np.void, now: float, alive: Dict[int, bool]) -> bool:
+        """Whether ``rec`` is a mark (owner's lock held, deadline not passed and
+        believable).  ``alive`` caches owners' answers for one operation."""
         exp = float(rec["expires"])
         if not (now < exp <= now + MAX_TTL):
             return False
-        pid, start = int(rec["pid"]), int(rec["start"])
-        if pid <= 0 or pid > 2**22:
+        owner = int(rec["owner"])
+        if owner == self._token:
+            return True                 # our own lock: GETLK on our description sees none
+        if not 0 < owner < 1 << _OWNER_BITS:
             return False
-        k = (pid, start)
-        if k not in alive:
-            alive[k] = _start_time(pid) == start
-        return alive[k]
+        if owner not in alive:
+            alive[owner] = _owner_lock(self._fd, owner, fcntl.F_OFD_GETLK) != fcntl.F_UNLCK
+        return alive[owner]
 
     def _find(self, key: int, now: float,
-              alive: Dict[Tuple[int, int], bool]) -> Tuple[int, int]:
+              alive: Dict[int, bool]) -> Tuple[int, int]:
         """(slot holding ``key`` or -1, first reusable slot on its probe path or -1)."""
         free = -1
         recs = self._recs
@@ -347,8 +390,8 @@ class PendingMarks:
         return -1, free
 
     def _leading(self, keys: Sequence[int], now: float,
-                 alive: Dict[Tuple[int, int], bool]) -> int:
-        """How many leading ``keys`` other live processes mark (the lock is held)."""
+                 alive: Dict[int, bool]) -> int:
+        """How many leading ``keys`` other live owners mark (the lock is held)."""
         n = 0
         for key in keys:
             s, _ = self._find(int(key), now, alive)
@@ -357,8 +400,13 @@ class PendingMarks:
             n += 1
         return n
 
+    @property
+    def token(self) -> int:
+        """This opener's owner token (the ``owner`` of its marks)."""
+        return self._token
+
     def _mine(self, rec: np.void) -> bool:
-        return int(rec["pid"]) == self._pid and int(rec["start"]) == self._start
+        return int(rec["owner"]) == self._token
 
     # ------------------------------------------------------------------ the API
     def close(self) -> None:
@@ -375,45 +423,59 @@ class PendingMarks:
         """The table's lock within :attr:`timeout`; False (counted) if not had in time."""
         if self._fd < 0:
             raise ValueError(f"{self.path}: the pending marks are closed")
+        if os.getpid() != self._pid:
+            self._after_fork()
         if _lock_nb(self._fd, op, self.timeout):
             return True
         self.timeouts += 1
         return False
 
     def claim(self, keys: Sequence[int], ttl: float) -> int:
-        """If ``keys[0]`` is marked by another live process: the number of leading keys so
+        """If ``keys[0]`` is marked by another live owner: the number of leading keys so
         marked, and nothing changes (the caller waits or computes).  Else 0, and every key
-        not marked by another process is now marked by this one for ``ttl`` seconds --
+        not marked by another owner is now marked by this one for at least ``ttl`` seconds
+        (one critical section: of several claims of one new prefix, exactly one gets 0) --
         unless the table's lock was not had within :attr:`timeout`: then 0 too (a miss:
         the caller computes), nothing is marked, and :attr:`timeouts` counts it."""
+        return self.claim_keys(keys, ttl)[0]
+
+    def claim_keys(self, keys: Sequence[int], ttl: float) -> Tuple[int, List[int]]:
+        """As :meth:`claim`: ``(held, the keys this owner marks now)``."""
         if not len(keys):
-            return 0
+            return 0, []
         if not 0 < ttl <= MAX_TTL:
             raise ValueError(f"ttl: expected 0 < ttl <= {MAX_TTL}, got {ttl}")
         if not self._lock(fcntl.LOCK_EX):
-            return 0
+            return 0, []
         try:
             now = time.monotonic()
-            alive: Dict[Tuple[int, int], bool] = {}
+            alive: Dict[int, bool] = {}
             recs = self._recs
             held = self._leading(keys, now, alive)
             if held:
-                return held
+                return held, []
+            mine: List[int] = []
             for key in keys:
                 k = int(key)
                 s, free = self._find(k, now, alive)
-                if s >= 0 and not self._mine(recs[s]) and self._live(recs[s], now, alive):
-                    continue                        # another process computes this one
+                if s >= 0 and self._live(recs[s], now, alive):
+                    if not self._mine(recs[s]):
+                        continue                    # another owner computes this one
+                    # ours already (another request): keep the longer deadline
+                    recs[s]["expires"] = max(float(recs[s]["expires"]), now + ttl)
+                    mine.append(k)
+                    continue
                 slot = s if s >= 0 else free
                 if slot < 0:
                     continue                        # crowded: this key goes unmarked
-                recs[slot] = (k, self._pid, self._start, now + ttl)
-            return 0
+                recs[slot] = (k, self._token, 0, now + ttl)
+                mine.append(k)
+            return 0, mine
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def held(self, keys: Sequence[int]) -> int:
-        """How many leading ``keys`` other live processes mark (0: none; nothing changes).
+        """How many leading ``keys`` other live owners mark (0: none; nothing changes).
         0 as well if the table's lock was not had within :attr:`timeout` (counted)."""
         if not len(keys):
             return 0
@@ -425,7 +487,7 @@ class PendingMarks:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def release(self, keys: Sequence[int]) -> int:
-        """Drop this process's marks on ``keys``; the number dropped (0 if the lock was not
+        """Drop this owner's marks on ``keys``; the number dropped (0 if the lock was not
         had within :attr:`timeout`, counted: the marks then expire at their deadline)."""
         if not len(keys):
             return 0
@@ -433,27 +495,28 @@ class PendingMarks:
             return 0
         try:
             now = time.monotonic()
-            alive: Dict[Tuple[int, int], bool] = {}
+            alive: Dict[int, bool] = {}
             n = 0
             for key in keys:
                 s, _ = self._find(int(key), now, alive)
                 if s >= 0 and self._mine(self._recs[s]):
                     self._recs[s]["expires"] = 0.0      # the key stays: probe paths hold
-                    self._recs[s]["pid"] = 0
+                    self._recs[s]["owner"] = 0
                     n += 1
             return n
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def marks(self) -> List[Tuple[int, int, float]]:
-        """Every live mark: ``(key, pid, seconds left)`` (inspection, tests); empty if the
+        """Every live mark: ``(key, owner token, seconds left)`` (inspection, tests; this
+        opener's token is :attr:`token`); empty if the
         lock was not had within :attr:`timeout` (counted)."""
         if not self._lock(fcntl.LOCK_SH):
             return []
         try:
             now = time.monotonic()
-            alive: Dict[Tuple[int, int], bool] = {}
-            return [(int(r["key"]), int(r["pid"]), float(r["expires"]) - now)
+            alive: Dict[int, bool] = {}
+            return [(int(r["key"]), int(r["owner"]), float(r["expires"]) - now)
                     for r in self._recs if int(r["key"]) and self._live(r, now, alive)]
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -467,7 +530,12 @@ class EngineMarks:
     (:attr:`on` false) every operation answers "no marks" -- the engine computes what it
     would have waited for, as without marks, and the rest of the cache stays on.  A lock
     not had within ``timeout`` answers "no marks" for that call only
-    (:attr:`lock_timeouts`)."""
+    (:attr:`lock_timeouts`).
+
+    The engine's requests share its marks: :meth:`claim` with a ``holder`` (a request id)
+    counts the holders of each key, and :meth:`release` of a holder drops only the keys
+    no other holder of this engine still claims (two local requests on one prefix: the
+    first to finish leaves the other's marks)."""
 
     def __init__(self, segment: str, log: logging.Logger, timeout: float = LOCK_TIMEOUT,
                  open_timeout: float = OPEN_TIMEOUT, *, trusted_owners: Owners = None) -> None:
@@ -475,6 +543,8 @@ class EngineMarks:
         self._timeouts_at_off = 0
         self.marks: Optional[PendingMarks] = None
         self.off_reason: Optional[str] = None
+        self._claims: Dict[object, set] = {}    # holder -> the keys it claimed
+        self._holders: Dict[int, int] = {}      # key -> how many holders claim it
         try:
             self.marks = PendingMarks(segment, timeout=timeout, open_timeout=open_timeout,
                                       trusted_owners=trusted_owners)
@@ -519,17 +589,43 @@ class EngineMarks:
                 self._failed("reading the marks", e)
         return 0
 
-    def claim(self, keys: Sequence[int], ttl: float) -> int:
-        """As :meth:`PendingMarks.claim`; off: 0, nothing marked."""
+    def claim(self, keys: Sequence[int], ttl: float, holder: object = None) -> int:
+        """As :meth:`PendingMarks.claim`; off: 0, nothing marked.  With ``holder``, the
+        keys marked are counted as that holder's (see the class docstring)."""
         if self.marks is not None:
             try:
-                return self.marks.claim(keys, ttl)
+                held, mine = self.marks.claim_keys(keys, ttl)
             except Exception as e:
                 self._failed("marking", e)
+                return 0
+            if holder is not None and mine:
+                have = self._claims.setdefault(holder, set())
+                for k in mine:
+                    if k not in have:
+                        have.add(k)
+                        self._holders[k] = self._holders.get(k, 0) + 1
+            return held
         return 0
 
-    def release(self, keys: Sequence[int]) -> int:
-        if self.marks is not None:
+    def claimed(self, holder: object) -> int:
+        """How many keys ``holder`` claims."""
+        return len(self._claims.get(holder, ()))
+
+    def release(self, keys: Optional[Sequence[int]] = None, holder: object = None) -> int:
+        """Drop marks: ``keys`` (this engine's, whoever claimed them), or with ``holder``
+        every key that holder claimed and no other holder still does.  The number
+        dropped; off: 0."""
+        if holder is not None:
+            drop = []
+            for k in self._claims.pop(holder, ()):
+                n = self._holders.get(k, 0) - 1
+                if n > 0:
+                    self._holders[k] = n
+                else:
+                    self._holders.pop(k, None)
+                    drop.append(k)
+            keys = drop if keys is None else list(keys) + drop
+        if self.marks is not None and keys is not None and len(keys):
             try:
                 return self.marks.release(keys)
             except Exception as e:

@@ -3,9 +3,8 @@ containers, ``docker run --ipc=container:X``; issue 41, "Containers").  A proces
 means nothing across namespaces (the one inside is pid 1 or 2 there); the segment knows
 who is alive by open-file-description locks on the segment file, which the kernel drops
 when the holder dies, in whatever namespace.  So a peer in another PID namespace is alive
-while it runs, and what it held is reclaimed once it is killed.  (The vLLM connector's
-pending marks record pid + start time: not handled across namespaces, said so in
-docs/deployment.md and the fault table.)"""
+while it runs, and what it held is reclaimed once it is killed.  (The pending marks do the
+same with their own OFD locks: test_pending.py::test_marks_hold_across_pid_namespaces.)"""
 import os
 import shutil
 import signal

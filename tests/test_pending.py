@@ -1,7 +1,9 @@
 """Pending marks (shmkv.pending): a prefix being computed is seen by other processes, a dead
-owner's marks are no marks, a corrupted table cannot make a reader fail, the marks go
-with the segment when it is unlinked; a stopped holder of the table's lock delays nobody
-past the bound, and a file that is not a table turns only the marks off, with one warning."""
+owner's marks are no marks (in any PID namespace), of many claims of one prefix exactly
+one wins, an engine's requests share its marks, a corrupted table cannot make a reader
+fail, the marks go with the segment when it is unlinked; a stopped holder of the table's
+lock delays nobody past the bound, and a file that is not a table turns only the marks
+off, with one warning."""
 from __future__ import annotations
 
 import logging
@@ -107,7 +109,7 @@ def test_a_dead_owners_marks_are_no_marks(seg):
         proc.wait()
         assert me.held(keys) == 0
         assert me.claim(keys, 30.0) == 0                         # reused at once
-        assert [m[1] for m in me.marks()] == [os.getpid()] * 4
+        assert [m[1] for m in me.marks()] == [me.token] * 4
     finally:
         me.close()
 
@@ -149,12 +151,12 @@ def test_garbage_in_the_table_is_no_mark_and_no_crash(seg):
         f.write(rng.integers(0, 256, 4096 * 32, dtype=np.uint8).tobytes())
     assert me.held(keys) == 0
     assert me.claim(keys, 5.0) == 0
-    # our own pid with a forged start time is not us, nor alive
+    # owners nobody holds (a token not locked, out of range, negative) are no marks
     recs = me._recs
-    recs["pid"][:] = os.getpid()
-    recs["start"][:] = 1
     recs["expires"][:] = time.monotonic() + 60
-    assert me.held(keys) == 0
+    for forged in (me.token % (2**40 - 1) + 1, 2**40, 2**62, -1, 0):
+        recs["owner"][:] = forged
+        assert me.held(keys) == 0
     me.close()
 
 
@@ -401,15 +403,15 @@ def test_a_table_whose_creator_died_before_its_header_is_finished(seg, size):
         me.close()
 
 
-def test_a_table_of_the_format_before_the_version_field_is_read(seg):
-    """Tables laid out before the header carried a version (0 there) have the same
-    records: read, not refused, so instances of both versions share their marks."""
-    _write(pending_path(seg), _header(version=0).ljust(_SIZE, b"\0"))
-    me = PendingMarks(seg)
-    try:
-        assert me.claim(prefix_keys(np.arange(16), 16, "s"), 5.0) == 0 and len(me.marks()) == 1
-    finally:
-        me.close()
+@pytest.mark.parametrize("version", [0, 1])
+def test_a_table_of_an_earlier_format_is_refused_naming_it(seg, version):
+    """Formats 0 and 1 recorded an owner by pid and start time (meaningless across PID
+    namespaces); format 2 by an OFD-locked token.  A table of an earlier format, from an
+    older shmkv still running, is refused (the engine then turns only its marks off)."""
+    _write(pending_path(seg), _header(version=version).ljust(_SIZE, b"\0"))
+    with pytest.raises(PendingTableError) as ei:
+        PendingMarks(seg)
+    assert ei.value.reason == "version" and f"format version {version}" in str(ei.value)
 
 
 def test_the_creator_makes_a_private_regular_file(seg):
@@ -451,3 +453,128 @@ def test_a_full_dev_shm_is_an_error_at_open_not_a_sigbus_later(seg):
     out = r.stdout.splitlines()
     assert out[0] == "refused no_space False", r.stdout
     assert "ENOSPC" in out[1] and "/dev/shm" in out[1]
+
+
+# ---------------------------------------------------------------- claims and owners
+_CLAIMER = """
+import sys, numpy as np
+from shmkv.pending import PendingMarks, prefix_keys
+p = PendingMarks(sys.argv[1])
+won = [int(p.claim(prefix_keys(np.arange(64) + 1000 * r, 16, "s"), 600.0) == 0)
+       for r in range(int(sys.argv[2]))]
+print("".join(map(str, won)), flush=True)
+sys.stdin.read()                        # alive (its marks with it) until told to go
+"""
+
+
+def test_of_many_claims_of_one_prefix_exactly_one_wins(seg):
+    """Four processes claim the same 200 new prefixes as fast as they can, interleaved by
+    the scheduler: a claim decides and marks under one lock, so each prefix has exactly
+    one winner (0: it computes) and three losers (they wait), whatever the order."""
+    rounds = 200
+    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, seg, str(rounds)], cwd="/tmp",
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    try:
+        won = [p.stdout.readline().strip() for p in procs]
+        assert all(len(w) == rounds for w in won), won
+        per_round = [sum(int(w[r]) for w in won) for r in range(rounds)]
+        assert per_round == [1] * rounds, per_round
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=60)
+
+
+def test_an_engines_requests_share_its_marks(seg):
+    """EngineMarks counts the requests that claimed a key: the first of two local
+    requests on one prefix to finish leaves the marks of the other; a second claim never
+    shortens a mark's deadline."""
+    log = logging.getLogger("test.shmkv.pending")
+    keys = prefix_keys(np.arange(64), 16, "s")
+    em = EngineMarks(seg, log)
+    other = PendingMarks(seg)
+    try:
+        assert em.claim(keys, 100.0, holder="r1") == 0
+        assert em.claim(keys[:2], 1.0, holder="r2") == 0     # its own: refreshed, kept long
+        assert em.claimed("r1") == 4 and em.claimed("r2") == 2
+        assert min(m[2] for m in other.marks()) > 50
+        assert em.release(holder="r2") == 0                  # r1 still computes them
+        assert other.held(keys) == 4
+        assert em.release(holder="r1") == 4
+        assert other.held(keys) == 0 and other.marks() == []
+        assert em.release(holder="r1") == 0                  # twice: nothing left
+    finally:
+        other.close()
+        em.close()
+
+
+_FORKED = """
+import os, sys, numpy as np
+from shmkv.pending import PendingMarks, prefix_keys
+p = PendingMarks(sys.argv[1])
+keys = prefix_keys(np.arange(64), 16, "s")
+assert p.claim(keys, 60.0) == 0
+pid = os.fork()
+if pid == 0:                            # the child is another owner
+    code = 0 if (p.held(keys) == 4 and p.claim(keys, 60.0) == 4) else 1
+    more = prefix_keys(np.arange(64) + 7, 16, "s")
+    code = code or (0 if p.claim(more, 60.0) == 0 else 2)
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), p.held(prefix_keys(np.arange(64) + 7, 16, "s")))
+"""
+
+
+def test_a_forked_child_is_another_owner(seg):
+    """A child forked with the marks open takes an owner of its own on first use: it sees
+    the parent's marks as another's, and its own marks die with it (the parent then sees
+    none of them)."""
+    r = subprocess.run([sys.executable, "-c", _FORKED, seg], cwd="/tmp",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", "0"], (r.stdout, r.stderr)
+
+
+def _unshare_pid_ok() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--pid", "--fork", "true"],
+                          capture_output=True).returncode == 0
+
+
+_IN_NS = """
+import os, sys, numpy as np
+from shmkv.pending import PendingMarks, prefix_keys
+p = PendingMarks(sys.argv[1])
+print(os.getpid(), p.claim(prefix_keys(np.arange(64), 16, "s"), 600.0), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not _unshare_pid_ok(), reason="needs unshare --pid (root, or user "
+                    "namespaces)")
+def test_marks_hold_across_pid_namespaces(seg):
+    """An engine in another PID namespace (a pod's other container) marks a prefix: its
+    marks are alive here while it runs (its pid, 1 or 2 in its namespace, is some other
+    process here or none) and no marks once it is killed."""
+    keys = prefix_keys(np.arange(64), 16, "s")
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable,
+                          "-c", _IN_NS, seg], cwd="/tmp", stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    me = PendingMarks(seg)
+    try:
+        inner_pid, claimed = map(int, p.stdout.readline().split())
+        assert inner_pid <= 2 and claimed == 0
+        assert me.held(keys) == 4 and me.claim(keys, 5.0) == 4
+        os.kill(p.pid, signal.SIGKILL)          # --kill-child: the peer dies with it
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 30        # its files close a moment after
+        while me.held(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert me.held(keys) == 0 and me.claim(keys, 5.0) == 0
+    finally:
+        me.close()
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)

@@ -189,10 +189,11 @@ def bf16(tmp_path_factory):
     seg, seg_r = unique_name("serve"), unique_name("serve-off")
     py = sys.executable
     ev_a, ev_b = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    # pending_wait: the burst's new prefix (~900 tokens) takes ~10 s of prefill on one core
-    # of an AVX2-only host in bfloat16 (no native bf16 there), the default bound's length:
-    # the instance that waits must outwait the one computing, on every machine kind
-    kv = connector_config(seg, size_gib=0.5, pending_wait=120)
+    # pending_wait, pending_stall: the burst's new prefix (~900 tokens) is one prefill step
+    # of ~10 s on one core of an AVX2-only host in bfloat16 (no native bf16 there), nothing
+    # published meanwhile: the instance that waits must outwait the one computing, on every
+    # machine kind (the stall bound exceeds the longest step, as the docs say to set it)
+    kv = connector_config(seg, size_gib=0.5, pending_wait=120, pending_stall=120)
     A = B = R = A2 = None
     subs: list[_Events] = []
     out: dict = {"model": model, "seg": seg, "seg_r": seg_r}

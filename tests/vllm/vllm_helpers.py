@@ -10,7 +10,16 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import pytest
 from serve_helpers import run_group
+
+try:
+    import vllm  # noqa: F401
+    HAVE_VLLM = True
+except Exception:
+    HAVE_VLLM = False
+# a module's pytestmark where every test needs vLLM (the venv of make test-vllm-deps)
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 VB = 128                          # vLLM's block size on CPU

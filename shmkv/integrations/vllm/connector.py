@@ -101,7 +101,9 @@ class _ReqState:
     keys: Optional[np.ndarray] = None         # pending-mark keys of its blocks (cached)
     claimed: Optional[np.ndarray] = None      # the keys it marked pending
     wait_since: Optional[float] = None        # held back since (another instance computes)
-    gave_up: bool = False                     # waited pending_wait: computes it here
+    wait_hit: int = 0                         # the segment's hit when it last grew meanwhile
+    progress_at: float = 0.0                  # when that was
+    gave_up: bool = False                     # waited too long or saw no progress: computes
     claim_range: Optional[tuple[int, int]] = None   # blocks it will compute, to mark
 
 
@@ -137,10 +139,12 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
     (default true), ``hash_seed`` (a new segment's), ``tier`` (``redis://host:port``;
     default ``$SHMKV_TIER``), ``tier_cluster``, ``tier_timeout``, ``tier_wait`` (tier.py),
     ``pending`` (default true: mark prefixes being computed, wait for other instances'),
-    ``pending_wait`` (seconds a request waits for another instance's prefix; default 10),
-    ``pending_ttl`` (seconds a mark lasts at most; default 120), ``pending_lock_timeout``
-    (seconds a step waits at most for the marks' lock, then answers "no marks"; default
-    0.05).
+    ``pending_wait`` (seconds a request waits for another instance's prefix at most;
+    default 10), ``pending_stall`` (seconds it waits while no new block of that prefix is
+    published, then computes it itself; default 2: above the longest prefill step of the
+    engine that computes it), ``pending_ttl`` (seconds a mark lasts at most; default 120),
+    ``pending_lock_timeout`` (seconds a step waits at most for the marks' lock, then answers
+    "no marks"; default 0.05).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -154,14 +158,15 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         self._save_on = bool(extra.get("save", True))
         self._load_on = bool(extra.get("load", True))
         self._pending_wait = float(extra.get("pending_wait", 10.0))
+        self._pending_stall = float(extra.get("pending_stall", 2.0))
         self._pending_ttl = float(extra.get("pending_ttl", 120.0))
         self._pending_lock_timeout = float(extra.get("pending_lock_timeout", LOCK_TIMEOUT))
-        if not (0 <= self._pending_wait <= 600 and 0 < self._pending_ttl <= 3600
-                and 0 <= self._pending_lock_timeout <= 1):
-            raise ValueError("shmkv: pending_wait must be in [0, 600], pending_ttl in "
-                             "(0, 3600] and pending_lock_timeout in [0, 1] seconds, got "
-                             f"{self._pending_wait}, {self._pending_ttl}, "
-                             f"{self._pending_lock_timeout}")
+        if not (0 <= self._pending_wait <= 600 and 0 <= self._pending_stall <= 600
+                and 0 < self._pending_ttl <= 3600 and 0 <= self._pending_lock_timeout <= 1):
+            raise ValueError("shmkv: pending_wait and pending_stall must be in [0, 600], "
+                             "pending_ttl in (0, 3600] and pending_lock_timeout in [0, 1] "
+                             f"seconds, got {self._pending_wait}, {self._pending_stall}, "
+                             f"{self._pending_ttl}, {self._pending_lock_timeout}")
         kec = vllm_config.kv_events_config
         self._events_on = bool(kec is not None and kec.enable_kv_cache_events)
         # scheduler side
@@ -303,25 +308,17 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
                    limit: int) -> bool:
         """Whether the request waits because another instance is computing at least one
         vLLM block of its prefix past what this instance has (segment or own cache);
-        else it marks what it will compute and save itself as pending (shmkv.pending)."""
+        else it marks what it will compute and save itself as pending (shmkv.pending).
+        Deciding and marking are one step (a claim): of two instances looking up one new
+        prefix at once, exactly one computes it.  A request waits while the prefix keeps
+        being published (its hit grows), for at most ``pending_stall`` seconds without a
+        new block and ``pending_wait`` in all: an owner that stopped publishing (saves
+        off or failing, preempted, stopped) costs a waiter seconds, not the mark's life."""
         assert self._pending is not None
         bs, vb = self._bs, self._vb
         if st.keys is None or len(st.keys) < limit // bs:
             st.keys = prefix_keys(ids[:limit], bs, st.salt)
         first = -(-max(hit, computed) // bs)                 # the first block not held here
-        if not st.gave_up:
-            others = self._pending.held(st.keys[first:limit // bs])
-            if others * bs >= vb:
-                now = time.monotonic()
-                if st.wait_since is None:
-                    st.wait_since = now
-                    self._iv.count("pending_waits")
-                if now - st.wait_since < self._pending_wait:
-                    return True
-                st.gave_up = True                            # waited enough: compute it
-                self._iv.count("pending_timeouts")
-                log.info("shmkv: %s waited %.1f s for another instance's prefix; computing "
-                         "it here", st.request.request_id, now - st.wait_since)
         # what this instance computes and saves (whole vLLM blocks of the prompt, beyond
         # its own cache, which it does not save again) is pending until published.  Marked
         # now for a few seconds (closes the race with another instance's lookup of the same
@@ -329,15 +326,43 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         # (update_state_after_alloc): a request left queued here holds others back briefly
         upto = min(limit, st.request.num_prompt_tokens // vb * vb) // bs
         st.claim_range = (first, upto) if upto > first else None
+        if st.gave_up:
+            if st.claim_range is not None and st.claimed is None:
+                self._claim(st, min(self._pending_ttl, _TENTATIVE_TTL))
+            return False
+        if st.claim_range is not None and st.claimed is None:
+            others = self._claim(st, min(self._pending_ttl, _TENTATIVE_TTL))
+        else:
+            others = self._pending.held(st.keys[first:limit // bs])
+        if others * bs < vb:
+            return False
+        now = time.monotonic()
+        if st.wait_since is None:
+            st.wait_since = st.progress_at = now
+            st.wait_hit = hit
+            self._iv.count("pending_waits")
+        elif hit > st.wait_hit:                              # the owner publishes: progress
+            st.wait_hit, st.progress_at = hit, now
+        waited, stalled = now - st.wait_since, now - st.progress_at
+        if waited < self._pending_wait and stalled < self._pending_stall:
+            return True
+        st.gave_up = True                                    # waited enough: compute it
+        self._iv.count("pending_timeouts")
+        log.info("shmkv: %s waited %.1f s for another instance's prefix (%.1f s without a "
+                 "new block); computing it here", st.request.request_id, waited, stalled)
         if st.claim_range is not None and st.claimed is None:
             self._claim(st, min(self._pending_ttl, _TENTATIVE_TTL))
         return False
 
-    def _claim(self, st: _ReqState, ttl: float) -> None:
+    def _claim(self, st: _ReqState, ttl: float) -> int:
+        """Claim the request's claim range; what :meth:`EngineMarks.claim` answers (0: the
+        range is this request's, marked pending, unless the lock was busy)."""
         assert self._pending is not None and st.keys is not None and st.claim_range
         keys = st.keys[st.claim_range[0]:st.claim_range[1]]
-        if self._pending.claim(keys, ttl) == 0:
+        held = self._pending.claim(keys, ttl, holder=st.request.request_id)
+        if held == 0:
             st.claimed = keys if st.claimed is None else np.union1d(st.claimed, keys)
+        return held
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -357,6 +382,13 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = ShmkvConnectorMetadata()
         vb = self._vb
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None and st.claimed is not None and self._pending is not None:
+                # its blocks are gone: what it has not published, another instance computes
+                # (or it does, claiming again, when it is scheduled again)
+                self._pending.release(holder=req_id)
+                st.claimed = None
         computed: dict[str, int] = {}
         for nr in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
@@ -437,7 +469,9 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
         if st is not None and st.claimed is not None and self._pending is not None:
-            self._pending.release(st.claimed)   # never raises; if not done: they expire
+            # never raises; if not done: they expire.  Another local request on the prefix
+            # keeps the marks it claimed too
+            self._pending.release(holder=request.request_id)
         return False, None
 
     def take_events(self) -> "Any":
