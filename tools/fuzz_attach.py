@@ -20,7 +20,10 @@ case is written as a new shared-memory object, then:
     sequence, cache.attention() over them (decode and q_lens: a result, SegmentError, or
     ValueError for a length read as 0), batch_block_tables(), truncate() of one of them,
     recover(), check() again, a create + append + fork + truncate + free, a truncate of a
-    surviving sequence, close()  -- ShmkvError subclasses are fine; anything else is a finding
+    surviving sequence, the vLLM connector's calls (its scheduler's match_prefix, its
+    worker's save: create_sequence(tokens=) of a prefix the segment may hold, reserve(tokens=)
+    of the rest, commit, free) with the templates' own token ids and with others, close()
+    -- ShmkvError subclasses are fine; anything else is a finding
 
 and unlinked.  Cases run in child processes (spawn), each recording the index of the case
 it is on in a shared progress file: a child that dies by a signal is a CRASH at exactly
@@ -667,7 +670,32 @@ def exercise(c, rng, finding):
             if isinstance(n, int) and n:
                 op("truncate", c.truncate, sid, rng.randint(0, n))
         op("check", c.check)
+    if rng.random() < 0.5:
+        connector_calls(c, rng, op)
     return errors
+
+
+def connector_calls(c, rng, op):
+    """What the vLLM connector calls on a segment, on whatever the mutation left: the
+    scheduler's lookup (match_prefix) and the worker's save of a prefix (create_sequence
+    with its tokens pins what is published, reserve(tokens=) the rest, commit, free).  The
+    token ids are the templates' published ones (the hash index and its blocks are met)
+    or others; the salt the templates' (none) or another."""
+    bs = c.config.block_size
+    n = rng.randint(1, 4) * bs
+    start = rng.choice((0, 7, 1000))
+    ids = np.append(np.arange(start, start + n, dtype=np.int32), np.int32(0))
+    salt = rng.choice((None, "vllm\x00model\x00\x00"))
+    op("match_prefix", c.match_prefix, ids, salt)
+    s = op("create_sequence", c.create_sequence, tokens=ids, salt=salt)
+    if s is None:
+        return
+    have = op("seq_len", c.seq_len, s)
+    if isinstance(have, int) and 0 <= have < n:
+        if op("reserve", c.reserve, s, n - have, tokens=ids[have:n]) is not None:
+            op("commit", c.commit, s)
+            op("match_prefix", c.match_prefix, ids, salt)
+    op("free", c.free, s)
 
 
 def child_main(opts):
