@@ -20,21 +20,40 @@ owner's choice, and another user cannot change it (``chmod`` is the owner's or r
 from __future__ import annotations
 
 import errno
+import fcntl
 import grp
 import os
 import pwd
 import stat
+import struct
 from typing import Iterable, Optional, Tuple, Union
 
 from .errors import SegmentError, UntrustedSegmentError
 
 __all__ = ["SHM_DIR", "ANY_OWNER", "shm_path", "resolve_owners", "resolve_group",
-           "owner_str", "open_file", "create_file", "open_or_create", "check_owner"]
+           "owner_str", "open_file", "create_file", "open_or_create", "check_owner",
+           "ofd_lock"]
 
 SHM_DIR = "/dev/shm"
 ANY_OWNER = None        # ``trusted=ANY_OWNER``: read-only inspection, no owner rule
 
 Owners = Union[None, int, str, Iterable[Union[int, str]]]
+
+
+# struct flock: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid
+# (x86-64 and aarch64 Linux)
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def ofd_lock(fd: int, cmd: int, start: int = 0, length: int = 0) -> int:
+    """``fcntl(fd, cmd)`` with an open-file-description write lock on bytes ``[start,
+    start + length)`` (``length`` 0: to the end of any file); ``cmd`` is ``F_OFD_SETLK`` or
+    ``F_OFD_GETLK``.  Returns the ``l_type`` the kernel answers (for GETLK, ``F_UNLCK``:
+    nobody else holds a lock there).  OFD locks belong to the open file, not the process:
+    they hold across PID namespaces and threads, and go when the last descriptor of that
+    open closes (the process's death included)."""
+    arg = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
+    return _FLOCK.unpack(fcntl.fcntl(fd, cmd, arg))[0]
 
 
 def shm_path(name: str) -> str:

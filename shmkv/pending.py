@@ -49,13 +49,12 @@ import mmap
 import os
 import secrets
 import stat
-import struct
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._shmfile import Owners, check_owner, create_file, resolve_owners, shm_path
+from ._shmfile import Owners, check_owner, create_file, ofd_lock, resolve_owners, shm_path
 from .errors import SegmentError
 
 __all__ = ["PendingMarks", "PendingTableError", "EngineMarks", "prefix_keys", "pending_path",
@@ -76,7 +75,6 @@ _SIZE = _HEADER + SLOTS * _REC.itemsize
 # file: far past the table's bytes (a lock needs no bytes behind it)
 _OWNER_BITS = 40
 _OWNER_BASE = 1 << 41
-_FLOCK = struct.Struct("hhqqi4x")           # struct flock (x86-64, aarch64 Linux)
 
 
 def _header() -> bytes:
@@ -118,8 +116,7 @@ def prefix_keys(tokens: np.ndarray, block_size: int, salt: str) -> np.ndarray:
 def _owner_lock(fd: int, token: int, cmd: int) -> int:
     """``fcntl(fd, cmd)`` (F_OFD_SETLK or F_OFD_GETLK) for a write lock on owner
     ``token``'s byte; the l_type the kernel answers (F_UNLCK: nobody else holds it)."""
-    arg = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, _OWNER_BASE + token, 1, 0)
-    return _FLOCK.unpack(fcntl.fcntl(fd, cmd, arg))[0]
+    return ofd_lock(fd, cmd, _OWNER_BASE + token, 1)
 
 
 class PendingTableError(SegmentError, ValueError):

@@ -14,6 +14,7 @@ import struct
 import numpy as np
 
 from .. import _core
+from .._shmfile import ofd_lock
 from ..errors import LockTimeout, SegmentError, ShmkvError
 from .common import (
     CACHED,
@@ -138,10 +139,7 @@ def lock_holders(name):
     except OSError:
         return None
     try:
-        # struct flock: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t
-        req = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
-        res = fcntl.fcntl(fd, F_OFD_GETLK, req)
-        return struct.unpack("hhqqi4x", res)[0] != fcntl.F_UNLCK
+        return ofd_lock(fd, F_OFD_GETLK) != fcntl.F_UNLCK
     except OSError:
         return None
     finally:
