@@ -93,3 +93,28 @@ def test_off_reason_names_the_segment_and_the_fix_for_each_cause(spec_for):
         assert text.startswith(f"segment {n!r}: {type(e).__name__}: "), text
         assert fix in text, (fix, text)
         assert "NAME" not in text, text
+
+
+@pytest.mark.parametrize("key,value", [
+    ("pending_wait", -1), ("pending_wait", 601), ("pending_stall", -0.5),
+    ("pending_stall", 601), ("pending_ttl", 0), ("pending_ttl", 3601),
+    ("pending_lock_timeout", -0.1), ("pending_lock_timeout", 1.5)])
+def test_pending_keys_out_of_range_are_refused_at_engine_start(key, value):
+    """A pending-marks key out of its range is a mistake in the configuration: refused at
+    start like vLLM's own flags, the message naming the ranges and the values got; nothing
+    is made in /dev/shm."""
+    pytest.importorskip("vllm")
+    from configs_helpers import engine_config, model_dir
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from shmkv.integrations.vllm import ShmkvConnector
+
+    seg = f"shmkv-test-vtrust-pending-{os.getpid()}"
+    cfg = engine_config(model_dir(), seg, dtype="float32")
+    cfg.kv_transfer_config.kv_connector_extra_config[key] = value
+    with pytest.raises(ValueError, match=r"pending_wait and pending_stall must be in "
+                       r"\[0, 600\], pending_ttl in \(0, 3600\] and pending_lock_timeout "
+                       rf"in \[0, 1\] seconds, got .*{value}"):
+        ShmkvConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    assert not os.path.exists(f"/dev/shm/{seg}")
+    assert not os.path.exists(f"/dev/shm/{seg}.pending")

@@ -326,30 +326,28 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         # (update_state_after_alloc): a request left queued here holds others back briefly
         upto = min(limit, st.request.num_prompt_tokens // vb * vb) // bs
         st.claim_range = (first, upto) if upto > first else None
-        if st.gave_up:
+        if not st.gave_up:
             if st.claim_range is not None and st.claimed is None:
-                self._claim(st, min(self._pending_ttl, _TENTATIVE_TTL))
-            return False
-        if st.claim_range is not None and st.claimed is None:
-            others = self._claim(st, min(self._pending_ttl, _TENTATIVE_TTL))
-        else:
-            others = self._pending.held(st.keys[first:limit // bs])
-        if others * bs < vb:
-            return False
-        now = time.monotonic()
-        if st.wait_since is None:
-            st.wait_since = st.progress_at = now
-            st.wait_hit = hit
-            self._iv.count("pending_waits")
-        elif hit > st.wait_hit:                              # the owner publishes: progress
-            st.wait_hit, st.progress_at = hit, now
-        waited, stalled = now - st.wait_since, now - st.progress_at
-        if waited < self._pending_wait and stalled < self._pending_stall:
-            return True
-        st.gave_up = True                                    # waited enough: compute it
-        self._iv.count("pending_timeouts")
-        log.info("shmkv: %s waited %.1f s for another instance's prefix (%.1f s without a "
-                 "new block); computing it here", st.request.request_id, waited, stalled)
+                others = self._claim(st, min(self._pending_ttl, _TENTATIVE_TTL))
+            else:
+                others = self._pending.held(st.keys[first:limit // bs])
+            if others * bs < vb:
+                return False
+            now = time.monotonic()
+            if st.wait_since is None:
+                st.wait_since = st.progress_at = now
+                st.wait_hit = hit
+                self._iv.count("pending_waits")
+            elif hit > st.wait_hit:                          # the owner publishes: progress
+                st.wait_hit, st.progress_at = hit, now
+            waited, stalled = now - st.wait_since, now - st.progress_at
+            if waited < self._pending_wait and stalled < self._pending_stall:
+                return True
+            st.gave_up = True                                # waited enough: compute it
+            self._iv.count("pending_timeouts")
+            log.info("shmkv: %s waited %.1f s for another instance's prefix (%.1f s without "
+                     "a new block); computing it here", st.request.request_id, waited, stalled)
+        # it computes the prefix here after all: it marks what no other live owner holds
         if st.claim_range is not None and st.claimed is None:
             self._claim(st, min(self._pending_ttl, _TENTATIVE_TTL))
         return False
