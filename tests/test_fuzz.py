@@ -42,7 +42,7 @@ def test_fuzz_no_crash_no_hang(fuzz_report):
     assert r["crashes"] == [] and r["hangs"] == [], proc.stdout[-3000:]
     # the fuzzer reached deep: most cases pass the header checks and get exercised
     assert r["attached"] > 1000 and r["snapshots_ok"] > 1000
-    for kind in ("config", "body_struct", "consistent_seq"):
+    for kind in ("config", "body_struct", "consistent_seq", "pending", "live"):
         assert r["per_kind"][kind]["attached"] > 0, kind
 
 
@@ -130,3 +130,27 @@ def test_gather_rejects_a_corrupt_length_before_allocating(make_cache):
         f.write(struct.pack("<I", 0xFFFFFFF0))
     with pytest.raises(shmkv.SegmentError):
         cache.gather(sid)
+
+
+def test_the_pending_cases_can_see_a_lost_mark(monkeypatch):
+    """The pending kind's own check can fail: with another owner's marks never counted as
+    live (a broken ``_live``), a key one owner claimed is not held for the other."""
+    import random
+
+    sys.path.insert(0, os.path.dirname(FUZZ))
+    try:
+        import fuzz_attach
+    finally:
+        sys.path.remove(os.path.dirname(FUZZ))
+    from shmkv import pending
+
+    live = pending.PendingMarks._live
+    monkeypatch.setattr(pending.PendingMarks, "_live", lambda self, rec, now, alive: (
+        int(rec["owner"]) == self._token and live(self, rec, now, alive)))
+    found = []
+    for i in range(40):
+        fuzz_attach.run_pending_case(f"shmkv-test-fuzzpend-{os.getpid()}-{i}",
+                                     fuzz_attach.pending_table(random.Random(i)),
+                                     random.Random(i), lambda where, e: found.append(where))
+    assert "pending claim" in found
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("shmkv-test-fuzzpend-")]

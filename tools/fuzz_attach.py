@@ -25,7 +25,20 @@ case is written as a new shared-memory object, then:
     of the rest, commit, free) with the templates' own token ids and with others, close()
     -- ShmkvError subclasses are fine; anything else is a finding
 
-and unlinked.  Cases run in child processes (spawn), each recording the index of the case
+and unlinked.  Two kinds of case go further than one process's view of a still segment:
+
+  * ``pending``: a ``NAME.pending`` table (shmkv.pending) with hostile records at the
+    probe paths of the keys the calls use (keys 0 and 2**64-1, owners outside the token
+    range, deadlines NaN, infinite, past or too far), a hostile header or size, and live
+    marks of this process's two owners planted among them; then ``PendingMarks`` twice
+    (a ``PendingTableError``, or held / claim_keys / marks / release from each) and the
+    engine's ``EngineMarks`` (never raises).  A key one owner claims that the other does
+    not see held is a finding (a lost mark: two instances would compute one prefix).
+  * ``live``: a real segment attached while a forked writer puts hostile values into its
+    metadata (every region but the pool mutex's bytes, ~10k writes a second): every call
+    above and the connector's four times over meet torn and changing state.
+
+Cases run in child processes (spawn), each recording the index of the case
 it is on in a shared progress file: a child that dies by a signal is a CRASH at exactly
 that case, a child that stops making progress is a HANG; the parent saves the case's bytes
 (under --out, default /tmp/shmkv-fuzz-<pid>/), replays it alone in a fresh child to see if
@@ -40,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import mmap
 import os
 import random
@@ -58,6 +72,7 @@ import posix_ipc
 
 import shmkv
 from shmkv import _core
+from shmkv import pending as _pending
 from shmkv._events import EventReader
 from shmkv.cli import main as cli_main
 
@@ -112,8 +127,8 @@ STATE_READY, STATE_INIT = 0x52454459, 0x494E4954
 
 KINDS = ("random", "header_flip", "header_field", "header_field_sum", "config",
          "body_struct", "body_raw", "body_many", "consistent_seq", "size", "state", "mutex",
-         "events", "scales")
-WEIGHTS = (6, 8, 6, 8, 10, 22, 10, 8, 10, 6, 3, 3, 8, 6)
+         "events", "scales", "pending", "live")
+WEIGHTS = (6, 8, 6, 8, 10, 22, 10, 8, 10, 6, 3, 3, 8, 6, 4, 2)
 OUTCOMES = ("cases", "snap_ok", "snap_rejected", "attached", "attach_rejected", "op_errors",
             "findings")
 PROG_WORDS = 2 + len(KINDS) * len(OUTCOMES)
@@ -286,6 +301,34 @@ def canonical(b, cfg, lay):
 # --------------------------------------------------------------------------------------
 # one case: (kind, bytes, attach?) from (seed, index)
 # --------------------------------------------------------------------------------------
+def _region(lay, cfg, r):
+    """Metadata region ``r`` (0-9) of a segment: (base, size, record stride, fields)."""
+    nb, ns, npr = cfg["num_blocks"], cfg["max_seqs"], cfg["max_procs"]
+    if r == 9 and lay["off_events"]:                     # the KV event ring's records
+        rec = lay["event_record_bytes"]
+        return (lay["off_events"] + EVENT_RING, (cfg["event_capacity"] + 1) * rec, rec,
+                EVENT_FIELDS)
+    r %= 9
+    if r == 0:
+        return lay["off_blocks"], lay["off_free"] - lay["off_blocks"], BLOCK_SIZE, BLOCK_FIELDS
+    if r == 1:
+        return lay["off_free"], nb * 4, 4, [(0, "I")]
+    if r == 2:
+        return lay["off_procs"], npr * PROC_SIZE, PROC_SIZE, PROC_FIELDS
+    if r == 3:
+        return lay["off_seqs"], ns * SEQ_SIZE, SEQ_SIZE, SEQ_FIELDS
+    if r == 4:
+        return lay["off_seq_free"], ns * 4, 4, [(0, "I")]
+    if r == 5:
+        w = lay["off_index"] - lay["off_tables"]
+        return lay["off_tables"], w, 4, [(0, "I")]
+    if r == 6:
+        return lay["off_index"], lay["index_capacity"] * INDEX_SIZE, INDEX_SIZE, INDEX_FIELDS
+    if r == 7:
+        return SH_FIELDS[0][0], 0, 0, SH_FIELDS
+    return SH_COUNTERS, 32 * 8, 8, [(0, "Q")]
+
+
 def make_case(templates, seed, i):
     rng = random.Random(seed * 1_000_003 + i)
     kind = rng.choices(KINDS, WEIGHTS)[0]
@@ -303,30 +346,7 @@ def make_case(templates, seed, i):
             struct.pack_into("<" + fmt, buf, base + off, interesting(rng, fmt, extra))
 
     def region():
-        r = rng.randrange(10)
-        if r == 9 and lay["off_events"]:                 # the KV event ring's records
-            rec = lay["event_record_bytes"]
-            return (lay["off_events"] + EVENT_RING, (cfg["event_capacity"] + 1) * rec, rec,
-                    EVENT_FIELDS)
-        r %= 9
-        if r == 0:
-            return lay["off_blocks"], lay["off_free"] - lay["off_blocks"], BLOCK_SIZE, BLOCK_FIELDS
-        if r == 1:
-            return lay["off_free"], nb * 4, 4, [(0, "I")]
-        if r == 2:
-            return lay["off_procs"], npr * PROC_SIZE, PROC_SIZE, PROC_FIELDS
-        if r == 3:
-            return lay["off_seqs"], ns * SEQ_SIZE, SEQ_SIZE, SEQ_FIELDS
-        if r == 4:
-            return lay["off_seq_free"], ns * 4, 4, [(0, "I")]
-        if r == 5:
-            w = lay["off_index"] - lay["off_tables"]
-            return lay["off_tables"], w, 4, [(0, "I")]
-        if r == 6:
-            return lay["off_index"], lay["index_capacity"] * INDEX_SIZE, INDEX_SIZE, INDEX_FIELDS
-        if r == 7:
-            return SH_FIELDS[0][0], 0, 0, SH_FIELDS
-        return SH_COUNTERS, 32 * 8, 8, [(0, "Q")]
+        return _region(lay, cfg, rng.randrange(10))
 
     if kind == "random":
         n = rng.choice((0, 1, 7, 511, 512, 4095, 4096, 4097, 8192, len(buf),
@@ -499,6 +519,10 @@ def make_case(templates, seed, i):
                     mutate_field(o, EVENT_FIELDS, rng.randint(1, 4))
                 else:
                     buf[o:o + rec] = rng.getrandbits(8 * rec).to_bytes(rec, "little")
+    elif kind == "pending":
+        buf = bytearray(pending_table(rng))
+    elif kind == "live":
+        pass        # the template as it is: a writer mutates it while the calls run
     elif kind == "mutex":
         lo, hi = SH_MUTEX
         for _ in range(rng.randint(1, 6)):
@@ -506,6 +530,180 @@ def make_case(templates, seed, i):
             buf[o] = rng.randrange(256) if rng.random() < 0.5 else buf[o] ^ (1 << rng.randrange(8))
         attach = False
     return kind, bytes(buf), attach
+
+
+# --------------------------------------------------------------------------------------
+# the pending table (shmkv.pending): NAME.pending, mutated
+# --------------------------------------------------------------------------------------
+PENDING_KEYS = tuple(range(101, 141))        # the keys a case's calls use (never 0)
+
+
+def pending_table(rng):
+    """A NAME.pending table's bytes: records at the case keys' probe paths (and anywhere)
+    with hostile keys, owners and deadlines (``expires`` is CLOCK_MONOTONIC seconds: now
+    is this process's), then, sometimes, a hostile header or size."""
+    P = _pending
+    now = time.monotonic()
+    recs = np.zeros(P.SLOTS, P._REC)
+    for _ in range(rng.randint(0, 48)):
+        if rng.random() < 0.7:
+            slot = (rng.choice(PENDING_KEYS) + rng.randrange(P.PROBES + 2)) % P.SLOTS
+        else:
+            slot = rng.randrange(P.SLOTS)
+        recs[slot] = (
+            rng.choice(PENDING_KEYS + (0, 1, (1 << 63), (1 << 64) - 1, rng.getrandbits(64))),
+            rng.choice((0, -1, 1, (1 << 40) - 1, 1 << 40, 1 << 62, -(1 << 63), (1 << 63) - 1,
+                        rng.getrandbits(40), rng.getrandbits(63))),
+            rng.getrandbits(64),
+            rng.choice((float("nan"), float("inf"), float("-inf"), -1e300, 0.0, 5e-324,
+                        now - 1, now + 0.5, now + 100, now + P.MAX_TTL - 1,
+                        now + P.MAX_TTL + 10, 1e300)))
+    head = bytearray(P._header() + b"\0" * (P._HEADER - len(P._header())))
+    r = rng.random()
+    if r < 0.08:
+        struct.pack_into("<Q", head, 0, rng.getrandbits(64))             # magic
+    elif r < 0.16:
+        struct.pack_into("<I", head, 8, interesting(rng, "I", (P.SLOTS,)))    # slots
+    elif r < 0.24:
+        struct.pack_into("<I", head, 12, rng.choice((0, 1, P.VERSION + 1, 0xFFFFFFFF)))
+    elif r < 0.3:
+        o = rng.randrange(P._HEADER)
+        head[o] = rng.randrange(256)
+    data = bytes(head) + recs.tobytes()
+    r = rng.random()
+    if r < 0.05:
+        data = data[:rng.randrange(len(data))]
+    elif r < 0.08:
+        data += b"\0" * rng.choice((1, 4096))
+    elif r < 0.1:
+        data = rng.getrandbits(8 * len(data)).to_bytes(len(data), "little")
+    return data
+
+
+def run_pending_case(name, data, rng, finding):
+    """Open the table twice (two owners of this process), plant live marks of theirs at
+    random, then every call of the scheduler's: held, claim, release, marks, and the
+    engine's wrapper (EngineMarks: never raises).  A mark one owner claims must be held
+    for the other (a lost mark is a finding).  Returns (opened, errors)."""
+    P = _pending
+    path = P.pending_path(name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    errors, owners = 0, []
+    try:
+        for _ in range(2):
+            try:
+                owners.append(P.PendingMarks(name, timeout=0.05, open_timeout=0.05))
+            except P.PendingTableError:
+                errors += 1
+            except Exception as e:  # noqa: BLE001
+                finding("pending open", e)
+        if len(owners) == 2 and rng.random() < 0.6:
+            # the records of live owners (ours), with whatever keys and deadlines are there
+            with open(path, "r+b") as f, mmap.mmap(f.fileno(), P._SIZE) as mm:
+                recs = np.frombuffer(mm, P._REC, P.SLOTS, P._HEADER)
+                for _ in range(rng.randint(1, 16)):
+                    slot = (rng.choice(PENDING_KEYS) + rng.randrange(4)) % P.SLOTS
+                    recs[slot]["owner"] = rng.choice(owners).token
+                del recs
+        keys = rng.sample(PENDING_KEYS, rng.randint(1, 8))
+        pairs = ([(owners[0], owners[1]), (owners[1], owners[0])] if len(owners) == 2
+                 else [(o, None) for o in owners])
+        for me, other in pairs:
+            try:
+                me.held(keys)
+                held, mine = me.claim_keys(keys, rng.choice((1.0, 60.0, P.MAX_TTL)))
+                if other is not None and mine:
+                    t0 = other.timeouts
+                    lost = [k for k in mine if other.held([k]) != 1]
+                    if lost and other.timeouts == t0:
+                        finding("pending claim", AssertionError(
+                            f"keys {lost} claimed by one owner are not held for another"))
+                me.marks()
+                me.release(keys[:rng.randint(0, len(keys))])
+            except Exception as e:  # noqa: BLE001
+                finding("pending calls", e)
+        em = None
+        try:
+            em = P.EngineMarks(name, _QUIET, timeout=0.05, open_timeout=0.05)
+            em.claim(keys, 1.0, holder="a")
+            em.claim(keys[:2], 1.0, holder="b")
+            em.held(keys)
+            em.release(holder="a")
+            em.release(holder="b")
+        except Exception as e:  # noqa: BLE001 -- an engine's marks never raise
+            finding("engine marks", e)
+        finally:
+            if em is not None:
+                em.close()
+        return bool(owners), errors
+    finally:
+        for o in owners:
+            o.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+_QUIET = logging.getLogger("shmkv.fuzz.pending")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
+
+
+# --------------------------------------------------------------------------------------
+# a live segment: a writer mutates it while the calls run
+# --------------------------------------------------------------------------------------
+def start_mutator(name, meta, seed):
+    """Fork a process that writes hostile values into the segment's metadata (every
+    region but the pool mutex's bytes, at ~10k writes a second) until it is killed or its
+    parent is gone: a crashed, buggy or hostile peer writing while this process reads.
+    Its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        rng = random.Random(seed)
+        lay, cfg = meta["layout"], meta["config"]
+        extra = (cfg["num_blocks"], cfg["max_seqs"], cfg["max_procs"], cfg["block_size"],
+                 lay["segment_size"], lay["off_kpool"], lay["segment_size"] // 2)
+        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
+        mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        ppid, lo, hi = os.getppid(), SH_MUTEX[0] - 8, SH_MUTEX[1]
+        n = 0
+        while True:
+            base, size, stride, fields = _region(lay, cfg, rng.randrange(10))
+            if stride:
+                base += stride * rng.randrange(max(1, size // stride))
+            off, fmt = rng.choice(fields)
+            o = base + off
+            if o + struct.calcsize(fmt) <= len(mm) and not lo < o < hi:
+                struct.pack_into("<" + fmt, mm, o, interesting(rng, fmt, extra))
+            n += 1
+            if n % 8 == 0:
+                if os.getppid() != ppid:
+                    break
+                time.sleep(0.001)
+    finally:
+        os._exit(0)
+
+
+def run_live_case(name, data, meta, rng, seed, finding):
+    """Attach a real segment and run every call (exercise, and the connector's calls four
+    more times) while a forked writer mutates it.  Returns (attached, errors)."""
+    write_segment(name, data)
+    pid = start_mutator(name, meta, seed)
+    try:
+        return attach_and_exercise(name, rng, finding, connector_rounds=4)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        unlink(name)
 
 
 # --------------------------------------------------------------------------------------
@@ -559,32 +757,37 @@ def run_case(name, data, attach, rng, finding):
             finding("event_reader", e)
         if not attach:
             return snap_ok, False, 0
-        try:
-            # half without the recovery on attach: the calls then meet the corruption raw
-            c = shmkv.KVCache.attach(name, prefault=rng.random() < 0.2, timeout=0.01,
-                                     recover=rng.random() < 0.5)
-        except EXPECTED_ATTACH:
-            return snap_ok, False, 0
-        except Exception as e:  # noqa: BLE001
-            finding("attach", e)
-            return snap_ok, False, 0
-        errors = 0
-        try:
-            c.lock_timeout = 0.05
-            errors += exercise(c, rng, finding)
-        finally:
-            try:
-                c.close()
-            except EXPECTED_OPS:
-                errors += 1
-            except Exception as e:  # noqa: BLE001
-                finding("close", e)
-        return snap_ok, True, errors
+        return (snap_ok, *attach_and_exercise(name, rng, finding))
     finally:
         unlink(name)
 
 
-def exercise(c, rng, finding):
+def attach_and_exercise(name, rng, finding, connector_rounds=0):
+    """(attached, op errors): attach ``name`` and run every call on it (exercise)."""
+    try:
+        # half without the recovery on attach: the calls then meet the corruption raw
+        c = shmkv.KVCache.attach(name, prefault=rng.random() < 0.2, timeout=0.01,
+                                 recover=rng.random() < 0.5)
+    except EXPECTED_ATTACH:
+        return False, 0
+    except Exception as e:  # noqa: BLE001
+        finding("attach", e)
+        return False, 0
+    errors = 0
+    try:
+        c.lock_timeout = 0.05
+        errors += exercise(c, rng, finding, connector_rounds)
+    finally:
+        try:
+            c.close()
+        except EXPECTED_OPS:
+            errors += 1
+        except Exception as e:  # noqa: BLE001
+            finding("close", e)
+    return True, errors
+
+
+def exercise(c, rng, finding, connector_rounds=0):
     errors = 0
 
     def op(what, fn, *a, expected=EXPECTED_OPS, **kw):
@@ -672,6 +875,8 @@ def exercise(c, rng, finding):
         op("check", c.check)
     if rng.random() < 0.5:
         connector_calls(c, rng, op)
+    for _ in range(connector_rounds):
+        connector_calls(c, rng, op)
     return errors
 
 
@@ -737,7 +942,16 @@ def child_main(opts):
             os.kill(os.getpid(), signal.SIGSEGV)
         if i == opts.get("self_test_hang"):
             time.sleep(3600)                               # prove a hang is caught
-        snap_ok, attached, errs = run_case(name, data, attach, rng, finding)
+        if kind == "pending":       # the table opened or refused; the calls ran on it
+            snap_ok, errs = run_pending_case(name, data, rng, finding)
+            attached = snap_ok
+        elif kind == "live":
+            meta = next(m for t, m in templates if t == data)
+            attached, errs = run_live_case(name, data, meta, rng, seed * 7_000_003 + i,
+                                           finding)
+            snap_ok = True
+        else:
+            snap_ok, attached, errs = run_case(name, data, attach, rng, finding)
         counts[k, 0] += 1
         counts[k, 1 if snap_ok else 2] += 1
         if attach:
