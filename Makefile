@@ -90,13 +90,14 @@ comma := ,
 # make test's longest path by ten minutes after the main suite ended; two halves of about
 # the same length (VLLM_B: the vllm serve fleets and the hybrid model; the rest, and any
 # new module, in the first) keep both cores busy to the end.  VLLM_C (the connector's
-# halves driven as vLLM drives them, without an engine: a few minutes) runs after the main
-# suite, in its stream, which ends minutes before the halves.  The vLLM halves' output
+# halves driven as vLLM drives them, and the fault engines of a seeded tiny model: a few
+# minutes) runs after the main suite, in its stream, which ends minutes before the halves.  The vLLM halves' output
 # follows the main suite's; the target fails if any fails.  make test-vllm runs the vLLM
 # suite alone, in one process.  The chaos harness's own tests hold wall-clock bounds:
 # make chaos runs them, alone.
 VLLM_B := tests/vllm/test_vllm_serve.py tests/vllm/test_vllm_hybrid.py
-VLLM_C := tests/vllm/test_vllm_pending.py tests/vllm/test_vllm_tp_faults.py
+VLLM_C := tests/vllm/test_vllm_pending.py tests/vllm/test_vllm_tp_faults.py \
+	tests/vllm/test_vllm_engine_faults.py
 test: install redis model test-vllm-deps
 	@la=$$(mktemp /tmp/shmkv-test-vllm.XXXXXX); lb=$$(mktemp /tmp/shmkv-test-vllm.XXXXXX); \
 	setsid $(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm \

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 from serve_helpers import run_group, side_by_side
 
@@ -18,10 +19,13 @@ ENGINE_TIMEOUT = 900
 
 
 def run_engine(tmp: Path, tag: str, job: dict, env_extra: dict | None = None,
-               cpus: str | None = None, shm_mib: int | None = None) -> tuple[int, dict, str]:
+               cpus: str | None = None, shm_mib: int | None = None,
+               on_start: Callable[[subprocess.Popen], None] | None = None
+               ) -> tuple[int, dict, str]:
     """(exit code, results, log) of one engine running `job` (configs_worker.py); `cpus`:
     pinned there (and vLLM's OpenMP threads with it); `shm_mib`: in a mount namespace of
-    its own whose /dev/shm is a tmpfs of that size (gone with the engine)."""
+    its own whose /dev/shm is a tmpfs of that size (gone with the engine); `on_start`:
+    called with the engine's process once it started (the leader of its process group)."""
     jp, op = tmp / f"{tag}.json", tmp / f"{tag}.out.json"
     jp.write_text(json.dumps(job))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
@@ -37,8 +41,12 @@ def run_engine(tmp: Path, tag: str, job: dict, env_extra: dict | None = None,
     with open(tmp / f"{tag}.log", "w") as log:
         p = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
-        # (and removes what vLLM left in /dev/shm)
-        rc = run_group(p, ENGINE_TIMEOUT, own_shm=bool(shm_mib))
+        try:
+            if on_start is not None:
+                on_start(p)
+        finally:
+            # (and removes what vLLM left in /dev/shm)
+            rc = run_group(p, ENGINE_TIMEOUT, own_shm=bool(shm_mib))
     out = json.loads(op.read_text()) if op.exists() else {"results": []}
     return rc, out, (tmp / f"{tag}.log").read_text(errors="replace")
 
@@ -53,6 +61,25 @@ def run_engines(tmp: Path, *runs: tuple) -> list[tuple[int, dict, str]]:
             **({"cpus": str(core)} if core is not None else {}), **(kw[0] if kw else {})})
 
     return side_by_side(*(call(r) for r in runs))
+
+
+def tiny_llama(path: Path, seed: int = 33) -> str:
+    """A seeded tiny Llama (2 layers, 4 query / 2 KV heads, head_dim 32, random weights,
+    SmolLM2's tokenizer) saved into `path`: no hub, an engine starts in seconds."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(model_dir())
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=2048, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      initializer_range=0.1)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
 
 
 def model_dir() -> str:

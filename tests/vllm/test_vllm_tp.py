@@ -14,27 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from configs_helpers import model_dir, run_engine, unlink
+from configs_helpers import run_engine, tiny_llama, unlink
 from conftest import unique_name  # tests/conftest.py
 
 VB, BS, GEN = 128, 16, 8
-
-
-def _tiny_llama(path) -> str:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(model_dir())
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, max_position_embeddings=2048, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      initializer_range=0.1)
-    torch.manual_seed(33)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def _ids(seed: int, n: int, vocab: int) -> list[int]:
@@ -48,7 +31,7 @@ def tp_runs(tmp_path_factory):
     from shmkv.integrations.vllm import request_salt
 
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    path = _tiny_llama(tmp / "tiny-llama")
+    path = tiny_llama(tmp / "tiny-llama")
     p1, p2, p3 = (_ids(s, 300, 49000) for s in (1, 2, 3))
     seg = unique_name("vllm-tp")
     extra = {"segment": seg, "num_blocks": 256}

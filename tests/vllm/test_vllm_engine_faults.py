@@ -1,0 +1,226 @@
+"""Real engines stopped in the middle of a forward, and engines that preempt while the
+connector's saves and loads are in flight.
+
+Two engines of a seeded tiny Llama (float32; chunked prefill of one vLLM block per step,
+so a long prompt takes several steps and each step publishes its block; a KV space of
+12 vLLM blocks; vLLM's own prefix cache emptied after each batch, so what a request finds
+it loads from the segment), one after the other on one segment:
+
+* S, tensor parallel 2, without async scheduling, and R, one rank, with it (vLLM's
+  default), each first run batches whose four requests of 300 tokens grow by 250 (20
+  blocks of 12): vLLM preempts and recomputes while two requests load their prompts from
+  the segment and two save theirs.  The connector answers ``requires_kv_delivery`` with
+  False (a best-effort cache); the engine must neither hang nor lose an answer: each
+  ends, preempted (vLLM's own counter), answers as the same batch under another
+  ``cache_salt`` (nothing to load), and every block the segment serves for those
+  requests equals transformers' own DynamicCache.
+* vLLM calls the connector's ``wait_for_save`` from the ``finally:`` of its step, so also
+  when the forward raised.  S is then stopped by SIGTERM to its process group in the middle
+  of a prompt's third prefill step: a hook before layer 1's attention (every rank, only for
+  that prompt) says where it is and sleeps, so the signal lands with layer 0 of that step
+  done and layer 1 not; vLLM's workers turn SIGTERM into SystemExit there.  R then serves
+  that prompt (loading what S published) and the same prompt under another
+  ``cache_salt``: the answers must be equal.  R's last prompt meets an error raised in
+  layer 1 on its third prefill step: the engine dies.  After each, the segment serves
+  exactly that prompt's first two vLLM blocks (the steps that completed), equal to
+  transformers' K/V at every layer.  Before the fix (the ``finally`` published the stopped
+  step, layer 1 stale) it served three.
+
+(`vllm serve` itself force-kills its workers at shutdown, which narrows the SIGTERM race;
+the offline ``LLM`` class, another supervisor and an error in a layer do not.)"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from configs_helpers import run_engine, tiny_llama, unlink
+from conftest import unique_name  # tests/conftest.py
+from vllm_helpers import needs_vllm
+
+pytestmark = needs_vllm
+
+VB, N, GEN = 128, 300, 250
+ENGINE = {"dtype": "float32", "enable_chunked_prefill": True, "max_num_batched_tokens": VB,
+          "num_gpu_blocks_override": 12}
+HOOK_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(100, 48900, n).tolist()
+
+
+def _batches(xs: list[list[int]]) -> list:
+    return [[{"prompt_ids": x, "max_tokens": 4} for x in xs[:2]],         # saved first
+            [{"prompt_ids": x, "max_tokens": GEN} for x in xs],           # 2 load, 2 save
+            [{"prompt_ids": x, "max_tokens": GEN, "cache_salt": "ref"} for x in xs]]
+
+
+def _sigterm_at_marker(marker: str, timeout: float = 600.0):
+    """on_start for run_engine: SIGTERM the engine's process group as soon as the hook
+    wrote its marker (it then sleeps in the middle of the forward)."""
+    def start(p) -> None:
+        def watch() -> None:
+            t0 = time.monotonic()
+            while p.poll() is None and time.monotonic() - t0 < timeout:
+                if os.path.exists(marker):
+                    time.sleep(0.2)              # every rank is in the hook's sleep
+                    os.killpg(p.pid, signal.SIGTERM)
+                    return
+                time.sleep(0.05)
+        threading.Thread(target=watch, daemon=True).start()
+    return start
+
+
+def _served(kv, path: str, ids: list[int]) -> tuple[list[int], int, np.ndarray, np.ndarray]:
+    """(ids, how many of them the segment serves, their K, V)."""
+    from shmkv.integrations.vllm import request_salt
+
+    sid = kv.create_sequence(tokens=ids + [0], salt=request_salt(path))
+    try:
+        return (ids, kv.seq_len(sid), *kv.gather(sid))
+    finally:
+        kv.free(sid)
+
+
+def _after(seg: str, path: str, stopped: list[int], xs: list[list[int]],
+           results: list[dict]) -> dict:
+    """What the segment serves after an engine: the stopped prompt, and each preempted
+    request's prompt and answer (attach runs recovery first)."""
+    import shmkv
+
+    kv = shmkv.KVCache.attach(seg)
+    try:
+        return {"stopped": _served(kv, path, stopped),
+                "preempted": [_served(kv, path, x + r["token_ids"])
+                              for x, r in zip(xs, results[2:6])],
+                "check": kv.check(), "stats": kv.stats()}
+    finally:
+        kv.close()
+
+
+def _read(p) -> dict:
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-engine-faults")
+    path = tiny_llama(tmp / "tiny-llama")
+    p, q = _ids(41, 700), _ids(42, 700)
+    xs = {"S": [_ids(60 + i, N) for i in range(4)], "R": [_ids(70 + i, N) for i in range(4)]}
+    seg = unique_name("vllm-engine-faults")
+    common = {"model": path, "extra": {"segment": seg, "num_blocks": 1024},
+              "max_model_len": 1024, "max_num_seqs": 4, "stats": "engine",
+              "reset_prefix_cache": True}
+    marker = str(tmp / "in-layer-1")
+    out = {"path": path, "p": p, "q": q, "xs": xs, "marker": marker}
+    try:
+        rc, res, log = run_engine(
+            tmp, "S", {**common, "engine": {**ENGINE, "tensor_parallel_size": 2,
+                                            "async_scheduling": False},
+                       "hook": {"layer": 1, "mode": "sleep", "at_call": 3, "seconds": 300,
+                                "marker": marker, "flag": str(tmp / "S-flag")},
+                       "requests": _batches(xs["S"]) + [
+                           {"prompt_ids": p, "max_tokens": 4, "flag": True}]},
+            env_extra={**HOOK_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            on_start=_sigterm_at_marker(marker))
+        out["S"] = {"rc": rc, "results": res["results"], "log": log,
+                    "stats": _read(tmp / "S.out.json.connector.json"),
+                    "after": _after(seg, path, p, xs["S"], res["results"])}
+        rc, res, log = run_engine(
+            tmp, "R", {**common, "engine": ENGINE,
+                       "hook": {"layer": 1, "mode": "raise", "at_call": 3,
+                                "flag": str(tmp / "R-flag")},
+                       "requests": _batches(xs["R"]) + [
+                           {"prompt_ids": p, "max_tokens": 8},
+                           {"prompt_ids": p, "max_tokens": 8, "cache_salt": "ref"},
+                           {"prompt_ids": q, "max_tokens": 4, "flag": True}]},
+            env_extra=HOOK_ENV)
+        out["R"] = {"rc": rc, "results": res["results"], "log": log,
+                    "after": _after(seg, path, q, xs["R"], res["results"])}
+        yield out
+    finally:
+        unlink(seg)
+
+
+def _model_kv(path: str, ids: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    with torch.no_grad():
+        pkv = model(torch.tensor([ids]), use_cache=True).past_key_values
+    return [(pkv.layers[i].keys[0].permute(1, 0, 2).numpy(),
+             pkv.layers[i].values[0].permute(1, 0, 2).numpy()) for i in range(2)]
+
+
+def _assert_model_kv(path: str, served) -> None:
+    ids, n, k, v = served
+    for layer, (hk, hv) in enumerate(_model_kv(path, ids[:n])):
+        for b in range(-(-n // VB)):                 # block by block: which one is wrong
+            s = slice(b * VB, (b + 1) * VB)
+            np.testing.assert_allclose(k[layer][s], hk[s], atol=1e-4, rtol=1e-4,
+                                       err_msg=f"K, layer {layer}, vLLM block {b}")
+            np.testing.assert_allclose(v[layer][s], hv[s], atol=1e-4, rtol=1e-4,
+                                       err_msg=f"V, layer {layer}, vLLM block {b}")
+
+
+# ------------------------------------------------------------------ stopped mid-forward
+def test_sigterm_mid_forward_with_tensor_parallel_publishes_nothing_of_that_step(engines):
+    S = engines["S"]
+    assert os.path.exists(engines["marker"]), "S never reached the third step: " \
+        + S["log"][-3000:]
+    assert S["rc"] != 0 and len(S["results"]) == 10, "S was to be stopped in its last prompt"
+    assert S["stats"].get("unfinished_saves", 0) >= 1, S["log"][-3000:]
+    assert "forward did not complete (SystemExit)" in S["log"], S["log"][-3000:]
+    assert S["after"]["stopped"][1] == 2 * VB, "exactly the two steps that completed"
+    _assert_model_kv(engines["path"], S["after"]["stopped"])
+
+
+def test_a_second_instance_loads_what_the_stopped_one_published_and_answers_as_alone(
+        engines):
+    loaded, ref = engines["R"]["results"][10:12]
+    assert loaded["num_cached_tokens"] == 2 * VB
+    assert ref["num_cached_tokens"] == 0
+    assert loaded["token_ids"] == ref["token_ids"]
+
+
+def test_an_error_in_a_layer_publishes_nothing_of_that_step(engines):
+    R = engines["R"]
+    assert R["rc"] != 0 and len(R["results"]) == 12, R["log"][-3000:]
+    assert "shmkv test: an error in layer 1" in R["log"]
+    assert "forward did not complete (RuntimeError)" in R["log"], R["log"][-3000:]
+    assert R["after"]["stopped"][1] == 2 * VB, "exactly the two steps that completed"
+    _assert_model_kv(engines["path"], R["after"]["stopped"])
+
+
+# ------------------------------------------------------------------ preempting
+@pytest.mark.parametrize("tag", ["S", "R"])
+def test_an_engine_preempting_while_it_loads_and_saves_answers_as_alone(engines, tag):
+    """S: tensor parallel 2, no async scheduling; R: one rank, async scheduling."""
+    res = engines[tag]["results"]
+    assert res[9]["engine"].get("vllm:num_preemptions", 0) > 0, \
+        "the test's KV space did not make the engine preempt"
+    main, ref = res[2:6], res[6:10]
+    for i in range(2):                          # loaded what the first batch saved
+        assert main[i]["num_cached_tokens"] >= 2 * VB, (i, main[i]["num_cached_tokens"])
+    assert all(r["num_cached_tokens"] == 0 for r in ref)
+    assert main[-1]["connector"]["loaded_tokens"] >= 2 * 2 * VB
+    assert [r["token_ids"] for r in main] == [r["token_ids"] for r in ref]
+    assert all(len(r["token_ids"]) == GEN for r in main)
+
+
+@pytest.mark.parametrize("tag", ["S", "R"])
+def test_what_a_preempting_engine_published_is_the_models_kv(engines, tag):
+    after = engines[tag]["after"]
+    assert after["check"] == []
+    assert after["stats"]["num_sequences"] == 0
+    for served in after["preempted"]:
+        assert served[1] >= 2 * VB              # every prompt's whole blocks at least
+        _assert_model_kv(engines["path"], served)
