@@ -1,7 +1,10 @@
-"""A fault in a real engine's forward, for the fault tests (configs_worker.py's
-``job["hook"]``): installed on every rank by ``LLM.apply_model(partial(install, spec))``,
-pickled by reference (this module is importable wherever the engine's processes run: they
-inherit the test's ``sys.path``).
+"""A fault in a real engine's forward, for the fault tests, installed on every rank: in an
+offline engine (configs_worker.py's ``job["hook"]``) by ``LLM.apply_model(partial(install,
+spec))``, pickled by reference (this module is importable wherever the engine's processes
+run: they inherit the test's ``sys.path``); in ``vllm serve`` by the worker extension
+``--worker-extension-cls fault_hook.FaultHook`` (this folder on ``PYTHONPATH``) and
+``POST /collective_rpc {"method": "install_fault", "args": [JSON spec]}`` (vLLM's
+development endpoints: ``VLLM_SERVER_DEV_MODE=1``).
 
 Before the attention of layer ``spec["layer"]``, on its ``spec["at_call"]``-th prefill call
 (``min_tokens`` tokens or more, default 16; counted only once the file ``spec["flag"]``
@@ -10,6 +13,7 @@ number to the file ``spec["marker"]`` and sleeps ``spec["seconds"]`` -- a test s
 engine there, in the middle of the forward: the layers before done, this one not."""
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -35,3 +39,10 @@ def install(spec: dict, model) -> int:
 
     model.model.layers[spec["layer"]].self_attn.register_forward_pre_hook(pre, with_kwargs=True)
     return os.getpid()
+
+
+class FaultHook:
+    """vLLM worker extension (mixed into each rank's worker): ``install_fault(spec)``."""
+
+    def install_fault(self, spec_json: str) -> int:
+        return install(json.loads(spec_json), self.get_model())  # type: ignore[attr-defined]

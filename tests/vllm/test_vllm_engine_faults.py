@@ -6,33 +6,37 @@ so a long prompt takes several steps and each step publishes its block; a KV spa
 12 vLLM blocks; vLLM's own prefix cache emptied after each batch, so what a request finds
 it loads from the segment), one after the other on one segment:
 
-* S, tensor parallel 2, without async scheduling, and R, one rank, with it (vLLM's
-  default), each first run batches whose four requests of 300 tokens grow by 250 (20
-  blocks of 12): vLLM preempts and recomputes while two requests load their prompts from
-  the segment and two save theirs.  The connector answers ``requires_kv_delivery`` with
-  False (a best-effort cache); the engine must neither hang nor lose an answer: each
-  ends, preempted (vLLM's own counter), answers as the same batch under another
-  ``cache_salt`` (nothing to load), and every block the segment serves for those
-  requests equals transformers' own DynamicCache.
+* S, ``vllm serve`` with tensor parallel 2 and without async scheduling, and R, an offline
+  engine of one rank with it (vLLM's default), each first run batches whose four requests
+  of 300 tokens grow by 250 (20 blocks of 12): vLLM preempts and recomputes while two
+  requests load their prompts from the segment and two save theirs.  The connector
+  answers ``requires_kv_delivery`` with False (a best-effort cache); the engine must
+  neither hang nor lose an answer: each ends, preempted (vLLM's own counter), answers as
+  the same batch under another ``cache_salt`` (nothing to load), and every block the
+  segment serves for those requests equals transformers' own DynamicCache.
 * vLLM calls the connector's ``wait_for_save`` from the ``finally:`` of its step, so also
-  when the forward raised.  S is then stopped by SIGTERM to its process group in the middle
-  of a prompt's third prefill step: a hook before layer 1's attention (every rank, only for
-  that prompt) says where it is and sleeps, so the signal lands with layer 0 of that step
-  done and layer 1 not; vLLM's workers turn SIGTERM into SystemExit there.  R then serves
-  that prompt (loading what S published) and the same prompt under another
+  when the forward raised.  S is then stopped by SIGTERM to its process group in the
+  middle of a prompt's third prefill step: a hook before layer 1's attention (every rank,
+  only for that prompt) says where it is and sleeps, so the signal lands with layer 0 of
+  that step done and layer 1 not; vLLM's workers turn SIGTERM into SystemExit there.  R
+  then serves that prompt (loading what S published) and the same prompt under another
   ``cache_salt``: the answers must be equal.  R's last prompt meets an error raised in
   layer 1 on its third prefill step: the engine dies.  After each, the segment serves
   exactly that prompt's first two vLLM blocks (the steps that completed), equal to
-  transformers' K/V at every layer.  Before the fix (the ``finally`` published the stopped
-  step, layer 1 stale) it served three.
+  transformers' K/V at every layer.  Before the fix (the ``finally`` published the
+  stopped step, layer 1 stale) it served three.
 
-(`vllm serve` itself force-kills its workers at shutdown, which narrows the SIGTERM race;
-the offline ``LLM`` class, another supervisor and an error in a layer do not.)"""
+The faults are put into the real forward on every rank (fault_hook.py: a worker extension
+and vLLM's ``/collective_rpc`` for ``vllm serve``, ``LLM.apply_model`` offline)."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -40,6 +44,7 @@ import numpy as np
 import pytest
 from configs_helpers import run_engine, tiny_llama, unlink
 from conftest import unique_name  # tests/conftest.py
+from serve_helpers import ServeInstance, connector_config, post_json
 from vllm_helpers import needs_vllm
 
 pytestmark = needs_vllm
@@ -48,6 +53,7 @@ VB, N, GEN = 128, 300, 250
 ENGINE = {"dtype": "float32", "enable_chunked_prefill": True, "max_num_batched_tokens": VB,
           "num_gpu_blocks_override": 12}
 HOOK_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -60,20 +66,95 @@ def _batches(xs: list[list[int]]) -> list:
             [{"prompt_ids": x, "max_tokens": GEN, "cache_salt": "ref"} for x in xs]]
 
 
-def _sigterm_at_marker(marker: str, timeout: float = 600.0):
-    """on_start for run_engine: SIGTERM the engine's process group as soon as the hook
-    wrote its marker (it then sleeps in the middle of the forward)."""
-    def start(p) -> None:
-        def watch() -> None:
-            t0 = time.monotonic()
-            while p.poll() is None and time.monotonic() - t0 < timeout:
-                if os.path.exists(marker):
-                    time.sleep(0.2)              # every rank is in the hook's sleep
-                    os.killpg(p.pid, signal.SIGTERM)
-                    return
-                time.sleep(0.05)
-        threading.Thread(target=watch, daemon=True).start()
-    return start
+def _serve_batch(url: str, reqs: list[dict]) -> list[dict]:
+    """The requests of a batch sent at once (a thread each), as configs_worker.py's
+    results: generated token ids and cached prompt tokens, in order."""
+    out: list = [None] * len(reqs)
+
+    def one(i: int) -> None:
+        r = reqs[i]
+        body = {"model": "smol", "prompt": r["prompt_ids"], "max_tokens": r["max_tokens"],
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        if r.get("cache_salt"):
+            body["cache_salt"] = r["cache_salt"]
+        resp = post_json(url + "/v1/completions", body)
+        out[i] = {"token_ids": resp["choices"][0]["token_ids"],
+                  "num_cached_tokens": (resp["usage"].get("prompt_tokens_details") or {})
+                  .get("cached_tokens", 0)}
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert all(o is not None for o in out), "a request of the batch failed"
+    return out
+
+
+def _serve_s(tmp, path: str, seg: str, xs: list[list[int]], p: list[int],
+             marker: str) -> dict:
+    """S: `vllm serve` with tensor parallel 2, no async scheduling: the batches, then `p`
+    stopped by SIGTERM to the instance's process group mid-forward (the hook's marker)."""
+    stats = tmp / "S.stats.json"
+    s = ServeInstance(sys.executable, path, tmp / "S.log", dtype="float32",
+                      kv=connector_config(seg, num_blocks=1024),
+                      env={"PYTHONPATH": os.pathsep.join(
+                               [HERE] + [x for x in [os.environ.get("PYTHONPATH")] if x]),
+                           "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                           "SHMKV_VLLM_STATS": str(stats)},
+                      extra_args=("--tensor-parallel-size", "2", "--max-model-len", "1024",
+                                  "--max-num-seqs", "4", "--no-async-scheduling",
+                                  "--enable-chunked-prefill", "--max-num-batched-tokens",
+                                  str(VB), "--num-gpu-blocks-override", "12",
+                                  "--worker-extension-cls", "fault_hook.FaultHook"))
+    results: list[dict] = []
+    try:
+        s.wait_ready()
+        spec = {"layer": 1, "mode": "sleep", "at_call": 3, "seconds": 300, "marker": marker,
+                "flag": str(tmp / "S-flag")}
+        post_json(s.url + "/collective_rpc",
+                  {"method": "install_fault", "args": [json.dumps(spec)]})
+        for batch in _batches(xs):
+            got = _serve_batch(s.url, batch)
+            post_json(s.url + "/reset_prefix_cache", {})   # later hits: from the segment
+            engine = {"vllm:num_preemptions":
+                      s.metrics().get("vllm:num_preemptions_total", 0.0)}
+            results += [dict(r, connector=_read(stats), engine=engine) for r in got]
+        open(spec["flag"], "w").close()
+        # p's request, on a connection of its own: after the SIGTERM, vLLM's API server
+        # waits for open connections to close, so the test closes it
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=600)
+
+        def last() -> None:
+            try:
+                conn.request("POST", "/v1/completions", body=json.dumps({
+                    "model": "smol", "prompt": p, "max_tokens": 4, "temperature": 0}),
+                    headers={"Content-Type": "application/json"})
+                conn.getresponse().read()
+            except (OSError, http.client.HTTPException):
+                pass                                    # the instance was stopped
+        t = threading.Thread(target=last, daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        while not os.path.exists(marker) and s.proc.poll() is None \
+                and time.monotonic() - t0 < 600:
+            time.sleep(0.05)
+        if os.path.exists(marker):
+            time.sleep(0.2)                             # every rank is in the hook's sleep
+            os.killpg(s.proc.pid, signal.SIGTERM)
+            time.sleep(2.0)                             # the ranks' SystemExit, the shutdown
+        try:
+            if conn.sock is not None:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            rc = s.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            rc = -999
+        return {"rc": rc, "results": results, "log": s.tail(200_000), "stats": _read(stats)}
+    finally:
+        s.stop()
 
 
 def _served(kv, path: str, ids: list[int]) -> tuple[list[int], int, np.ndarray, np.ndarray]:
@@ -104,7 +185,10 @@ def _after(seg: str, path: str, stopped: list[int], xs: list[list[int]],
 
 
 def _read(p) -> dict:
-    return json.loads(p.read_text()) if p.exists() else {}
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 @pytest.fixture(scope="module")
@@ -120,18 +204,8 @@ def engines(tmp_path_factory):
     marker = str(tmp / "in-layer-1")
     out = {"path": path, "p": p, "q": q, "xs": xs, "marker": marker}
     try:
-        rc, res, log = run_engine(
-            tmp, "S", {**common, "engine": {**ENGINE, "tensor_parallel_size": 2,
-                                            "async_scheduling": False},
-                       "hook": {"layer": 1, "mode": "sleep", "at_call": 3, "seconds": 300,
-                                "marker": marker, "flag": str(tmp / "S-flag")},
-                       "requests": _batches(xs["S"]) + [
-                           {"prompt_ids": p, "max_tokens": 4, "flag": True}]},
-            env_extra={**HOOK_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-            on_start=_sigterm_at_marker(marker))
-        out["S"] = {"rc": rc, "results": res["results"], "log": log,
-                    "stats": _read(tmp / "S.out.json.connector.json"),
-                    "after": _after(seg, path, p, xs["S"], res["results"])}
+        out["S"] = _serve_s(tmp, path, seg, xs["S"], p, marker)
+        out["S"]["after"] = _after(seg, path, p, xs["S"], out["S"]["results"])
         rc, res, log = run_engine(
             tmp, "R", {**common, "engine": ENGINE,
                        "hook": {"layer": 1, "mode": "raise", "at_call": 3,
@@ -172,11 +246,12 @@ def _assert_model_kv(path: str, served) -> None:
 
 
 # ------------------------------------------------------------------ stopped mid-forward
-def test_sigterm_mid_forward_with_tensor_parallel_publishes_nothing_of_that_step(engines):
+def test_vllm_serve_sigterm_mid_forward_with_tensor_parallel_publishes_nothing_of_it(
+        engines):
     S = engines["S"]
     assert os.path.exists(engines["marker"]), "S never reached the third step: " \
         + S["log"][-3000:]
-    assert S["rc"] != 0 and len(S["results"]) == 10, "S was to be stopped in its last prompt"
+    assert len(S["results"]) == 10 and S["rc"] != -999, S["log"][-3000:]
     assert S["stats"].get("unfinished_saves", 0) >= 1, S["log"][-3000:]
     assert "forward did not complete (SystemExit)" in S["log"], S["log"][-3000:]
     assert S["after"]["stopped"][1] == 2 * VB, "exactly the two steps that completed"
