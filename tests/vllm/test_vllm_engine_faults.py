@@ -26,6 +26,11 @@ it loads from the segment), one after the other on one segment:
   transformers' K/V at every layer.  Before the fix (the ``finally`` published the
   stopped step, layer 1 stale) it served three.
 
+And the pending table: S's main batch runs while a SIGSTOPped process holds the table's
+lock (every marks operation answers "no marks" within its bound; S serves on), and R
+starts on a garbage ``NAME.pending`` (its marks turn off with one warning; the cache
+itself serves on).
+
 The faults are put into the real forward on every rank (fault_hook.py: a worker extension
 and vLLM's ``/collective_rpc`` for ``vllm serve``, ``LLM.apply_model`` offline)."""
 from __future__ import annotations
@@ -47,6 +52,8 @@ from conftest import unique_name  # tests/conftest.py
 from serve_helpers import ServeInstance, connector_config, post_json
 from vllm_helpers import needs_vllm
 
+from shmkv.pending import pending_path
+
 pytestmark = needs_vllm
 
 VB, N, GEN = 128, 300, 250
@@ -54,6 +61,7 @@ ENGINE = {"dtype": "float32", "enable_chunked_prefill": True, "max_num_batched_t
           "num_gpu_blocks_override": 12}
 HOOK_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 HERE = os.path.dirname(os.path.abspath(__file__))
+PENDING_BYTES = 64 + 4096 * 32          # a pending table's size (shmkv.pending)
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -91,6 +99,30 @@ def _serve_batch(url: str, reqs: list[dict]) -> list[dict]:
     return out
 
 
+def _stopped_lock_holder(path: str) -> subprocess.Popen:
+    """A process that holds ``path``'s flock (the pending table's lock) and is stopped
+    (SIGSTOP: Ctrl-Z, a debugger, ``docker pause``); the caller kills it by its pid."""
+    p = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, signal, sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"), path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            with open(f"/proc/{p.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return p
+            time.sleep(0.02)
+        raise AssertionError("the lock holder did not stop")
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+
+
 def _serve_s(tmp, path: str, seg: str, xs: list[list[int]], p: list[int],
              marker: str) -> dict:
     """S: `vllm serve` with tensor parallel 2, no async scheduling: the batches, then `p`
@@ -114,11 +146,20 @@ def _serve_s(tmp, path: str, seg: str, xs: list[list[int]], p: list[int],
                 "flag": str(tmp / "S-flag")}
         post_json(s.url + "/collective_rpc",
                   {"method": "install_fault", "args": [json.dumps(spec)]})
-        for batch in _batches(xs):
-            got = _serve_batch(s.url, batch)
+        for i, batch in enumerate(_batches(xs)):
+            # the main batch runs while a stopped process holds the pending table's lock
+            holder = _stopped_lock_holder(pending_path(seg)) if i == 1 else None
+            try:
+                got = _serve_batch(s.url, batch)
+            finally:
+                if holder is not None:
+                    holder.kill()
+                    holder.wait()
             post_json(s.url + "/reset_prefix_cache", {})   # later hits: from the segment
-            engine = {"vllm:num_preemptions":
-                      s.metrics().get("vllm:num_preemptions_total", 0.0)}
+            m = s.metrics()
+            engine = {"vllm:num_preemptions": m.get("vllm:num_preemptions_total", 0.0),
+                      "pending_lock_timeouts":
+                          m.get("vllm:shmkv_pending_lock_timeouts_total", 0.0)}
             results += [dict(r, connector=_read(stats), engine=engine) for r in got]
         open(spec["flag"], "w").close()
         # p's request, on a connection of its own: after the SIGTERM, vLLM's API server
@@ -202,10 +243,16 @@ def engines(tmp_path_factory):
               "max_model_len": 1024, "max_num_seqs": 4, "stats": "engine",
               "reset_prefix_cache": True}
     marker = str(tmp / "in-layer-1")
-    out = {"path": path, "p": p, "q": q, "xs": xs, "marker": marker}
+    out = {"path": path, "p": p, "q": q, "xs": xs, "marker": marker, "seg": seg}
     try:
         out["S"] = _serve_s(tmp, path, seg, xs["S"], p, marker)
         out["S"]["after"] = _after(seg, path, p, xs["S"], out["S"]["results"])
+        # R meets a garbage NAME.pending (same size as a table, no table's magic)
+        os.unlink(pending_path(seg))
+        with open(os.open(pending_path(seg), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
+                  "wb") as f:
+            f.write(b"not a pending table " * (PENDING_BYTES // 20 + 1))
+            f.truncate(PENDING_BYTES)
         rc, res, log = run_engine(
             tmp, "R", {**common, "engine": ENGINE,
                        "hook": {"layer": 1, "mode": "raise", "at_call": 3,
@@ -299,3 +346,24 @@ def test_what_a_preempting_engine_published_is_the_models_kv(engines, tag):
     for served in after["preempted"]:
         assert served[1] >= 2 * VB              # every prompt's whole blocks at least
         _assert_model_kv(engines["path"], served)
+
+
+# ------------------------------------------------------------------ the pending table
+def test_a_stopped_holder_of_the_pending_lock_leaves_the_engine_serving(engines):
+    """S's main batch ran while a SIGSTOPped process held the pending table's lock: every
+    marks operation answered "no marks" within its bound (counted), and S served the
+    batch with the answers it gives alone (the preemption test compares them)."""
+    main = engines["S"]["results"][2:6]
+    assert main[0]["engine"]["pending_lock_timeouts"] > 0
+    assert all(len(r["token_ids"]) == GEN for r in main)
+
+
+def test_a_garbage_pending_table_turns_only_the_marks_off_and_the_engine_serves(engines):
+    R = engines["R"]
+    off = [ln for ln in R["log"].splitlines()
+           if "pending marks are OFF for this engine" in ln]
+    assert len(off) == 1, off
+    assert pending_path(engines["seg"]) in off[0] and "magic" in off[0], off[0]
+    assert "fix:" in off[0]
+    loaded = R["results"][10]                   # the cache itself stays on: it loads
+    assert loaded["num_cached_tokens"] == 2 * VB
