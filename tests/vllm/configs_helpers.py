@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
 
 from serve_helpers import run_group, side_by_side
 
@@ -19,13 +18,10 @@ ENGINE_TIMEOUT = 900
 
 
 def run_engine(tmp: Path, tag: str, job: dict, env_extra: dict | None = None,
-               cpus: str | None = None, shm_mib: int | None = None,
-               on_start: Callable[[subprocess.Popen], None] | None = None
-               ) -> tuple[int, dict, str]:
+               cpus: str | None = None, shm_mib: int | None = None) -> tuple[int, dict, str]:
     """(exit code, results, log) of one engine running `job` (configs_worker.py); `cpus`:
     pinned there (and vLLM's OpenMP threads with it); `shm_mib`: in a mount namespace of
-    its own whose /dev/shm is a tmpfs of that size (gone with the engine); `on_start`:
-    called with the engine's process once it started (the leader of its process group)."""
+    its own whose /dev/shm is a tmpfs of that size (gone with the engine)."""
     jp, op = tmp / f"{tag}.json", tmp / f"{tag}.out.json"
     jp.write_text(json.dumps(job))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
@@ -41,12 +37,8 @@ def run_engine(tmp: Path, tag: str, job: dict, env_extra: dict | None = None,
     with open(tmp / f"{tag}.log", "w") as log:
         p = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
-        try:
-            if on_start is not None:
-                on_start(p)
-        finally:
-            # (and removes what vLLM left in /dev/shm)
-            rc = run_group(p, ENGINE_TIMEOUT, own_shm=bool(shm_mib))
+        # (and removes what vLLM left in /dev/shm)
+        rc = run_group(p, ENGINE_TIMEOUT, own_shm=bool(shm_mib))
     out = json.loads(op.read_text()) if op.exists() else {"results": []}
     return rc, out, (tmp / f"{tag}.log").read_text(errors="replace")
 
