@@ -32,6 +32,9 @@ cdef extern from "kernels/kernels.h" nogil:
         uint32_t proc_slot
         uint64_t proc_token
         int64_t timeout_ns
+        int64_t backoff_ns
+        int64_t backoff_until_ns
+        uint64_t lock_timeouts
         int readonly
         uint8_t *events
 

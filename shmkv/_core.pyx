@@ -549,6 +549,27 @@ cdef class Segment:
             raise ValueError(f"lock_timeout: expected > 0 seconds, got {seconds}")
         self.ctx.timeout_ns = <int64_t>(seconds * 1e9)
 
+    @property
+    def lock_backoff(self):
+        """Seconds this process waits for the pool lock no more after a wait for it ran
+        out (``lock_timeout``): in that pause a call takes the lock if it is free and
+        raises LockTimeout at once if it is still held.  0 (the default): every call waits
+        up to ``lock_timeout``.  Process-wide for the segment (every handle of it here)."""
+        return self.ctx.backoff_ns / 1e9
+
+    @lock_backoff.setter
+    def lock_backoff(self, double seconds):
+        if not 0 <= seconds <= 3600:
+            raise ValueError(f"lock_backoff: expected 0 <= seconds <= 3600, got {seconds}")
+        self.ctx.backoff_until_ns = 0
+        self.ctx.backoff_ns = <int64_t>(seconds * 1e9)
+
+    @property
+    def lock_timeouts(self):
+        """Pool-lock waits of this process that ran out, or were refused in a
+        ``lock_backoff`` pause (each a LockTimeout), since it attached the segment."""
+        return self.ctx.lock_timeouts
+
     def __dealloc__(self):
         if not self._closed and self._att is not None:
             self._closed = True

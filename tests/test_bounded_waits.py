@@ -5,7 +5,6 @@ CLOCK_MONOTONIC, so a step of the wall clock does not stretch it.  (The pending 
 lock: tests/test_pending.py.)"""
 import functools
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import time
 
 import pytest
 from recovery_workers import tokens
+from stopped_helpers import end, start_stopped
 
 import shmkv
 import shmkv._core as _core
@@ -38,23 +38,8 @@ _HOLDER = textwrap.dedent("""
 """)
 
 
-def _state(pid):
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return stat[stat.rindex(b")") + 2:].split()[0]
-
-
 def _stopped_holder(procs, name, point, sid=0, warm=False):
-    p = subprocess.Popen([sys.executable, "-c", _HOLDER, name, point, str(sid),
-                          str(int(warm))], cwd="/tmp", stdout=subprocess.PIPE, text=True)
-    procs.append(p)
-    assert p.stdout.readline().strip() == "armed"
-    t0 = time.monotonic()
-    while _state(p.pid) not in (b"T", b"t"):
-        assert p.poll() is None, f"the holder exited ({p.returncode}) instead of stopping"
-        assert time.monotonic() - t0 < 60, "the holder did not reach its stop point"
-        time.sleep(0.01)
-    return p
+    return start_stopped(_HOLDER, name, point, str(sid), str(int(warm)), procs=procs)
 
 
 @pytest.fixture
@@ -65,10 +50,7 @@ def holders():
         yield started
     finally:
         for p in started:
-            if p.poll() is None:
-                p.kill()                        # SIGKILL ends a stopped process too
-                os.kill(p.pid, signal.SIGCONT)
-            p.wait(timeout=30)
+            end(p)
 
 
 def _raises(fn, hang_s=5.0):
@@ -120,6 +102,59 @@ def test_a_stopped_pool_lock_holder_makes_others_time_out(cache, holders):
     assert cache.seq_len(sid) == 3
 
 
+def _timed(fn):
+    """(the exception fn() raised, or None; seconds it took)."""
+    t0 = time.monotonic()
+    e = _raises(fn, hang_s=30.0)
+    return e, time.monotonic() - t0
+
+
+def test_after_a_wait_ran_out_the_backoff_waits_no_more_while_the_lock_is_held(cache,
+                                                                                holders):
+    """lock_backoff: the first call behind a stopped holder waits its bound; the calls of
+    the pause after it do not wait again (a serving engine makes several calls a step);
+    the pause ends and one call waits again; a lock that comes free is taken at once,
+    pause or not.  (The bound is long here, so that "waited" and "did not" are far apart
+    on a loaded machine: a hang detector, not a timer.)"""
+    sid = _detached_sequence(cache)
+    holder = _stopped_holder(holders, cache.name, "alloc_mid", sid)
+    cache.lock_timeout = 2.0
+    assert cache.lock_backoff == 0.0
+    cache.lock_backoff = 30.0
+    before = cache.lock_timeouts
+    e, first = _timed(cache.stats)
+    assert isinstance(e, shmkv.LockTimeout) and first >= 2.0, (e, first)
+    ids = list(range(1, 2 * cache.config.block_size + 2))     # two whole blocks to look up
+    for op in (cache.stats, cache.check, functools.partial(cache.match_prefix, ids)):
+        e, took = _timed(op)
+        assert isinstance(e, shmkv.LockTimeout), (op, e)
+        assert took < 1.0, f"{op} waited {took:.2f} s again inside the backoff's pause"
+    assert cache.lock_timeouts == before + 4
+    # a pause ended (set anew: none running) -> the next call waits its bound again
+    cache.lock_backoff = 30.0
+    e, took = _timed(cache.stats)
+    assert isinstance(e, shmkv.LockTimeout) and took >= 2.0, (e, took)
+    # the holder dies where it stopped: inside the pause, the free lock is taken (and the
+    # dead holder's half-done allocation recovered)
+    holder.kill()
+    holder.wait(timeout=30)
+    assert cache.check() == []
+    assert cache.seq_len(sid) == 3
+    for bad in (-1.0, float("nan"), 3601.0):
+        with pytest.raises(ValueError, match="lock_backoff"):
+            cache.lock_backoff = bad
+
+
+def test_without_a_backoff_every_call_waits_its_bound(cache, holders):
+    """The default (lock_backoff 0): each call behind a stopped holder waits lock_timeout
+    -- what the backoff test sees shortened is the wait, not the holder."""
+    _stopped_holder(holders, cache.name, "alloc_mid", _detached_sequence(cache))
+    cache.lock_timeout = 0.5
+    for _ in range(2):
+        e, took = _timed(cache.stats)
+        assert isinstance(e, shmkv.LockTimeout) and took >= 0.5, (e, took)
+
+
 def test_a_stopped_process_cache_holder_makes_others_time_out(cache, holders):
     """A process stopped on its cache's fast path (its cache_lock held, not the pool
     lock): a pass that takes every process cache's lock (check, the full recovery pass)
@@ -133,6 +168,31 @@ def test_a_stopped_process_cache_holder_makes_others_time_out(cache, holders):
     # the pool lock was let go: what needs only it goes through
     sid = cache.create_sequence()
     cache.append(sid, tokens(cache.config, 2, 1), tokens(cache.config, 2, 1))
+    cache.free(sid)
+
+
+def test_a_full_pool_does_not_wait_for_a_cache_its_stopped_owner_holds(cache, holders):
+    """Before CacheFullError the allocator drains the other processes' caches, under the
+    pool lock.  A process stopped on its cache's fast path (that cache's lock held) is
+    left alone, not waited for: the call answers CacheFull at once instead of holding the
+    pool lock -- every other process -- lock_timeout long, then LockTimeout; the stopped
+    process's cache comes back once it is gone."""
+    _stopped_holder(holders, cache.name, "grow_before_tail", warm=True)
+    cache.lock_timeout = 5.0
+    cfg = cache.config
+    free = cache.stats()["free_blocks"]          # the stopped process's cache counts too
+    sid = cache.create_sequence()
+    e, took = _timed(functools.partial(cache.reserve, sid, free * cfg.block_size))
+    assert isinstance(e, shmkv.CacheFullError), e
+    assert took < 2.5, f"the allocator waited {took:.1f} s for the stopped process's cache"
+    assert cache.seq_len(sid) == 0                  # all or nothing
+    cache.free(sid)
+    holders[0].kill()
+    holders[0].wait(timeout=30)
+    cache.lock_timeout = 10.0
+    assert cache.check() == []
+    sid = cache.create_sequence()                   # the dead process's cache is back
+    cache.reserve(sid, cache.stats()["free_blocks"] * cfg.block_size)
     cache.free(sid)
 
 

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 from conftest import unique_name
+from stopped_helpers import end, start_stopped
 
 import shmkv
 from shmkv.pending import (
@@ -200,21 +201,9 @@ import fcntl, os, signal, sys
 from shmkv.pending import PendingMarks
 p = PendingMarks(sys.argv[1])
 fcntl.flock(p._fd, fcntl.LOCK_EX)       # the table's lock, as inside claim()
-print("locked", flush=True)
+print("armed", flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)    # Ctrl-Z, a debugger, docker pause
 """
-
-
-def _wait_stopped(pid, bound=30.0):
-    """Until process ``pid`` is stopped (state T in /proc/PID/stat)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < bound:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        if stat[stat.rindex(b")") + 2:].split()[0] in (b"T", b"t"):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop within {bound} s")
 
 
 def _returns(fn, hang_s=5.0):
@@ -230,18 +219,13 @@ def _returns(fn, hang_s=5.0):
 
 @pytest.fixture
 def stopped_holder(seg):
-    """A process that holds the table's lock and is stopped; resumed and killed after."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, seg], cwd="/tmp",
-                            stdout=subprocess.PIPE, text=True)
+    """A process that holds the table's lock and is stopped; killed by its pid after."""
+    procs = []
     try:
-        assert proc.stdout.readline().strip() == "locked"
-        _wait_stopped(proc.pid)
-        yield proc
+        yield start_stopped(_HOLDER, seg, procs=procs)
     finally:
-        if proc.poll() is None:
-            proc.kill()                         # SIGKILL ends a stopped process too
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.wait()
+        for p in procs:
+            end(p)
 
 
 def test_a_stopped_lock_holder_delays_no_operation_past_the_bound(seg, stopped_holder):

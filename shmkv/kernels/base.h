@@ -112,6 +112,11 @@ typedef struct {
     uint32_t proc_slot;         /* our process slot, or SHMKV_NIL */
     uint64_t proc_token;        /* ((gen << 32) | (slot + 1)), or 0 when unregistered */
     int64_t timeout_ns;         /* bound on every wait */
+    int64_t backoff_ns;         /* after a pool-lock wait ran out: so long without another
+                                   wait (only tries); 0 = off.  Process-local, like all
+                                   of this struct (touched atomically: threads share it) */
+    int64_t backoff_until_ns;   /* CLOCK_MONOTONIC end of the current pause, 0 = none */
+    uint64_t lock_timeouts;     /* pool-lock waits that ran out, or were refused in a pause */
     int readonly;
     uint8_t *events;            /* the KV event ring (off_events), NULL when it is off */
 } shmkv_ctx_t;

@@ -83,12 +83,28 @@ static int shmkv__pool_wait(shmkv_ctx_t *c) {
 #endif
 
 /* Blocks at most ctx->timeout_ns (CLOCK_MONOTONIC).  OK, EDEADHOLDER (as above),
- * ETIMEDOUT or ECORRUPT.  Call without the GIL. */
+ * ETIMEDOUT or ECORRUPT.  Call without the GIL.
+ * The backoff (ctx->backoff_ns > 0): a wait that runs out starts a pause of backoff_ns in
+ * which this process only tries the lock (the bounded spin) and answers ETIMEDOUT at once
+ * when it is still held.  A holder that is alive but stopped (SIGSTOP, a debugger, `docker
+ * pause`) then costs a caller one bound per pause rather than one per call -- a serving
+ * engine's step makes several calls -- while a lock that comes free is taken at once. */
 static int shmkv__pool_lock_raw(shmkv_ctx_t *c) {
     int rc = shmkv__pool_spin(c);
     if (rc == EBUSY) {
         shmkv_count(c, SHMKV_C_LOCK_WAITS, 1);
-        rc = shmkv__pool_wait(c);
+        int64_t pause = __atomic_load_n(&c->backoff_ns, __ATOMIC_RELAXED);
+        if (pause > 0 && shmkv_now_ns(CLOCK_MONOTONIC)
+                         < __atomic_load_n(&c->backoff_until_ns, __ATOMIC_RELAXED)) {
+            rc = ETIMEDOUT;
+        } else {
+            rc = shmkv__pool_wait(c);
+            if (rc == ETIMEDOUT && pause > 0)
+                __atomic_store_n(&c->backoff_until_ns,
+                                 shmkv_now_ns(CLOCK_MONOTONIC) + pause, __ATOMIC_RELAXED);
+        }
+        if (rc == ETIMEDOUT)
+            __atomic_add_fetch(&c->lock_timeouts, 1, __ATOMIC_RELAXED);
     }
     if (rc == 0) return SHMKV_OK;
     if (rc == EOWNERDEAD) return SHMKV_EDEADHOLDER;

@@ -147,14 +147,32 @@ static int shmkv_pcache_balance_locked(shmkv_ctx_t *c) {
     return st;
 }
 
+/* Is p's cache lock held by p itself, alive, past a short spin?  Its owner holds it on a
+ * fast path for nanoseconds -- or stopped there (SIGSTOP, a debugger, `docker pause`).
+ * A lock held by anyone else (a dead pool-lock holder's leftover) is not "busy": the
+ * locking path takes it over. */
+static int shmkv__pcache_owner_busy(shmkv_ctx_t *c, shmkv_proc_t *p) {
+    uint32_t slot = (uint32_t)(p - c->procs);
+    uint64_t owner = ((uint64_t)shmkv_atomic_load_u32(&p->gen) << 32) | (uint64_t)(slot + 1);
+    for (int i = 0; i < 4096; i++) {
+        if (shmkv_atomic_load_u64(&p->cache_lock) != owner) return 0;
+        SHMKV_PAUSE();
+    }
+    return owner != c->proc_token && shmkv_proc_alive(c, owner);
+}
+
 /* Every attached process's cache back to the shared stacks (pool lock held): before
- * CacheFullError, blocks or slots another process keeps for itself are not "full". */
+ * CacheFullError, blocks or slots another process keeps for itself are not "full".  A
+ * cache its owner is busy with (above) is left alone rather than waited for: the wait
+ * would hold the pool lock -- every other process -- behind a stopped one, for the few
+ * blocks a cache keeps. */
 static int shmkv_pcache_drain_all_locked(shmkv_ctx_t *c) {
     for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
         shmkv_proc_t *p = &c->procs[s];
         if (shmkv_atomic_load_u32(&p->state) != SHMKV_PROC_ACTIVE) continue;
         if (shmkv_atomic_load_u32_relaxed(&p->cache_nblocks) == 0
                 && shmkv_atomic_load_u32_relaxed(&p->cache_nseqs) == 0) continue;
+        if (shmkv__pcache_owner_busy(c, p)) continue;
         int st = shmkv_pcache_lock_recover_locked(c, p);
         if (st != SHMKV_OK) return st;
         if (p->state == SHMKV_PROC_ACTIVE) shmkv__pcache_spill_locked(c, p, 0, 0);
