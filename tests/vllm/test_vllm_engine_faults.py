@@ -26,10 +26,12 @@ it loads from the segment), one after the other on one segment:
   transformers' K/V at every layer.  Before the fix (the ``finally`` published the
   stopped step, layer 1 stale) it served three.
 
-And the pending table: S's main batch runs while a SIGSTOPped process holds the table's
-lock (every marks operation answers "no marks" within its bound; S serves on), and R
-starts on a garbage ``NAME.pending`` (its marks turn off with one warning; the cache
-itself serves on).
+And the locks: S's main batch runs while a SIGSTOPped process holds the pending table's
+lock (every marks operation answers "no marks" within its bound; S serves on); then two
+prompts while one holds the segment's pool lock (each of S's processes waits 0.1 s once,
+then goes on without the cache; the holder killed, the next request loads); and R starts
+on a garbage ``NAME.pending`` (its marks turn off with one warning; the cache itself
+serves on).
 
 The faults are put into the real forward on every rank (fault_hook.py: a worker extension
 and vLLM's ``/collective_rpc`` for ``vllm serve``, ``LLM.apply_model`` offline)."""
@@ -50,6 +52,7 @@ import pytest
 from configs_helpers import run_engine, tiny_llama, unlink
 from conftest import unique_name  # tests/conftest.py
 from serve_helpers import ServeInstance, connector_config, post_json
+from stopped_helpers import FLOCK_HOLDER, POOL_LOCK_HOLDER, end, start_stopped
 from vllm_helpers import needs_vllm
 
 from shmkv.pending import pending_path
@@ -99,30 +102,6 @@ def _serve_batch(url: str, reqs: list[dict]) -> list[dict]:
     return out
 
 
-def _stopped_lock_holder(path: str) -> subprocess.Popen:
-    """A process that holds ``path``'s flock (the pending table's lock) and is stopped
-    (SIGSTOP: Ctrl-Z, a debugger, ``docker pause``); the caller kills it by its pid."""
-    p = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, signal, sys\n"
-        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('held', flush=True)\n"
-        "os.kill(os.getpid(), signal.SIGSTOP)\n"), path], stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "held"
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 30:
-            with open(f"/proc/{p.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                    return p
-            time.sleep(0.02)
-        raise AssertionError("the lock holder did not stop")
-    except BaseException:
-        p.kill()
-        p.wait()
-        raise
-
-
 def _serve_s(tmp, path: str, seg: str, xs: list[list[int]], p: list[int],
              marker: str) -> dict:
     """S: `vllm serve` with tensor parallel 2, no async scheduling: the batches, then `p`
@@ -148,19 +127,19 @@ def _serve_s(tmp, path: str, seg: str, xs: list[list[int]], p: list[int],
                   {"method": "install_fault", "args": [json.dumps(spec)]})
         for i, batch in enumerate(_batches(xs)):
             # the main batch runs while a stopped process holds the pending table's lock
-            holder = _stopped_lock_holder(pending_path(seg)) if i == 1 else None
+            holder = start_stopped(FLOCK_HOLDER, pending_path(seg)) if i == 1 else None
             try:
                 got = _serve_batch(s.url, batch)
             finally:
                 if holder is not None:
-                    holder.kill()
-                    holder.wait()
+                    end(holder)
             post_json(s.url + "/reset_prefix_cache", {})   # later hits: from the segment
             m = s.metrics()
             engine = {"vllm:num_preemptions": m.get("vllm:num_preemptions_total", 0.0),
                       "pending_lock_timeouts":
                           m.get("vllm:shmkv_pending_lock_timeouts_total", 0.0)}
             results += [dict(r, connector=_read(stats), engine=engine) for r in got]
+        pool_lock = _stopped_pool_lock_batch(s, seg, xs, stats)
         open(spec["flag"], "w").close()
         # p's request, on a connection of its own: after the SIGTERM, vLLM's API server
         # waits for open connections to close, so the test closes it
@@ -193,9 +172,31 @@ def _serve_s(tmp, path: str, seg: str, xs: list[list[int]], p: list[int],
             rc = s.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             rc = -999
-        return {"rc": rc, "results": results, "log": s.tail(200_000), "stats": _read(stats)}
+        return {"rc": rc, "results": results, "log": s.tail(200_000), "stats": _read(stats),
+                "pool_lock": pool_lock}
     finally:
         s.stop()
+
+
+def _stopped_pool_lock_batch(s: ServeInstance, seg: str, xs: list[list[int]], stats) -> dict:
+    """S serves two prompts of the segment while a stopped process holds its pool lock,
+    then one of them again once the holder is dead (killed where it stopped)."""
+    reqs = [{"prompt_ids": x, "max_tokens": 16, "cache_salt": "ref"} for x in xs[:2]]
+    before = _read(stats)
+    holder = start_stopped(POOL_LOCK_HOLDER, seg)
+    try:
+        t0 = time.monotonic()
+        during = _serve_batch(s.url, reqs)
+        took = time.monotonic() - t0
+        m = s.metrics()
+        conn = _read(stats)
+    finally:
+        end(holder)
+    post_json(s.url + "/reset_prefix_cache", {})
+    return {"during": during, "seconds": took, "after": _serve_batch(s.url, reqs[:1]),
+            "lock_timeouts": m.get("vllm:shmkv_lock_timeouts_total", 0.0),
+            "save_seconds": conn.get("save_seconds", 0.0) - before.get("save_seconds", 0.0),
+            "load_seconds": conn.get("load_seconds", 0.0) - before.get("load_seconds", 0.0)}
 
 
 def _served(kv, path: str, ids: list[int]) -> tuple[list[int], int, np.ndarray, np.ndarray]:
@@ -356,6 +357,28 @@ def test_a_stopped_holder_of_the_pending_lock_leaves_the_engine_serving(engines)
     main = engines["S"]["results"][2:6]
     assert main[0]["engine"]["pending_lock_timeouts"] > 0
     assert all(len(r["token_ids"]) == GEN for r in main)
+
+
+# ------------------------------------------------------------------ the pool lock
+def test_a_stopped_holder_of_the_pool_lock_costs_steps_a_bound_not_a_freeze(engines):
+    """S served two prompts of the segment while a SIGSTOPped process held the segment's
+    pool lock: each of S's processes (the scheduler, both ranks) waited lock_timeout
+    (0.1 s) once, then went on without the cache for a second at a time -- no load, the
+    saves dropped, counted (vllm:shmkv_lock_timeouts_total), one warning -- with the
+    answers it gives alone; the holder dead, the next request loads again.  Before the
+    step's bound each lookup and each save waited the segment's 10 s: ~70 s for this
+    batch (the bounds below are hang detectors, far from both)."""
+    S = engines["S"]
+    pl = S["pool_lock"]
+    assert pl["lock_timeouts"] > 0, pl
+    assert pl["seconds"] < 45, f"the batch took {pl['seconds']:.1f} s behind the holder"
+    assert pl["save_seconds"] + pl["load_seconds"] < 5, pl
+    ref = S["results"][6:8]                             # the same prompts, computed
+    assert [r["token_ids"] for r in pl["during"]] == [r["token_ids"][:16] for r in ref]
+    assert all(r["num_cached_tokens"] == 0 for r in pl["during"]), pl["during"]
+    assert pl["after"][0]["num_cached_tokens"] >= 2 * VB, pl["after"]
+    warned = [ln for ln in S["log"].splitlines() if "its pool lock was held past" in ln]
+    assert 1 <= len(warned) <= 3, warned                # once per process, not per call
 
 
 def test_a_garbage_pending_table_turns_only_the_marks_off_and_the_engine_serves(engines):

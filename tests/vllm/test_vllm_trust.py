@@ -118,3 +118,22 @@ def test_pending_keys_out_of_range_are_refused_at_engine_start(key, value):
         ShmkvConnector(cfg, KVConnectorRole.SCHEDULER, None)
     assert not os.path.exists(f"/dev/shm/{seg}")
     assert not os.path.exists(f"/dev/shm/{seg}.pending")
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 10.5, float("nan")])
+def test_a_lock_timeout_out_of_range_is_refused_at_engine_start(value):
+    """``lock_timeout`` (a step's bound on the segment's pool lock) in (0, 10] seconds:
+    anything else is a mistake in the configuration, refused at start naming the value."""
+    pytest.importorskip("vllm")
+    from configs_helpers import engine_config, model_dir
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from shmkv.integrations.vllm import ShmkvConnector
+
+    seg = f"shmkv-test-vtrust-lock-{os.getpid()}"
+    cfg = engine_config(model_dir(), seg, dtype="float32")
+    cfg.kv_transfer_config.kv_connector_extra_config["lock_timeout"] = value
+    with pytest.raises(ValueError, match=rf"lock_timeout must be in \(0, 10\] seconds, "
+                                         rf"got {value}"):
+        ShmkvConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    assert not os.path.exists(f"/dev/shm/{seg}")

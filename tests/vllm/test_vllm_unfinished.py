@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from conftest import unique_name  # tests/conftest.py
-from vllm_helpers import VB, _model_dir
+from vllm_helpers import VB, runner_step, runner_worker
 
 try:
     import vllm  # noqa: F401
@@ -28,60 +27,12 @@ pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 
 @pytest.fixture()
 def worker():
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.engine.arg_utils import EngineArgs
-
-    import shmkv
-    from shmkv.integrations.vllm import ShmkvConnector
-
-    path = _model_dir()
-    seg = unique_name("vllm-unfinished")
-    cfg = EngineArgs(model=path, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-                     block_size=VB, kv_transfer_config=KVTransferConfig(
-                         kv_connector="ShmkvConnector",
-                         kv_connector_module_path="shmkv.integrations.vllm",
-                         kv_role="kv_both", kv_load_failure_policy="recompute",
-                         kv_connector_extra_config={"segment": seg, "num_blocks": 256})
-                     ).create_engine_config()
-    w = None
-    try:
-        w = ShmkvConnector(cfg, KVConnectorRole.WORKER, None)
-        kvc = w._kv.config
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(kvc.num_layers)]
-        g = torch.Generator().manual_seed(3)
-        tensors = {n: torch.randn(8, kvc.num_kv_heads, VB, 2 * kvc.head_dim,
-                                  generator=g).to(torch.bfloat16) for n in names}
-        w.register_kv_caches(tensors)
-        assert w._layout is not None
-        yield w, names, path
-    finally:
-        if w is not None:
-            w.shutdown()
-        try:
-            shmkv.KVCache.attach(seg).unlink()
-        except FileNotFoundError:
-            pass
+    with runner_worker(unique_name("vllm-unfinished")) as w:
+        yield w
 
 
 def _step(w, names, ops, layers_done, raise_exc=None):
-    """One step as vLLM's runner makes it: metadata bound, save_kv_layer after each layer
-    that ran, wait_for_save in the finally (with the forward's exception in flight)."""
-    from shmkv.integrations.vllm.connector import ShmkvConnectorMetadata
-
-    w.bind_connector_metadata(ShmkvConnectorMetadata(saves=ops))
-    try:
-        try:
-            for n in names[:layers_done]:
-                w.save_kv_layer(n, None, None)
-            if raise_exc is not None:
-                raise raise_exc
-        finally:
-            w.wait_for_save()
-            w.clear_connector_metadata()
-    except BaseException as e:
-        if e is not raise_exc:
-            raise
+    runner_step(w, names, ops, layers_done, raise_exc)
 
 
 def _hit(w, tokens, salt):

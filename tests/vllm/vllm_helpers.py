@@ -3,12 +3,13 @@ the GPL's text: ~1k-token prompts), and one engine run in its own process group
 (engine_worker.py), killed with its children whatever happens."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 from serve_helpers import run_group
@@ -92,3 +93,68 @@ def _prompts(model: str) -> dict:
         "p2r": chat("Read this too:\n" + text[12000:13800], "What does it say?"),
         "p3": chat("And this:\n" + text[15000:16800], "What does it say?"),
     }
+
+
+# ------------------------------------------- a connector worker driven as vLLM's runner
+@contextlib.contextmanager
+def runner_worker(seg: str) -> Iterator[tuple[Any, list[str], str]]:
+    """(a WORKER-role ShmkvConnector on a new segment ``seg`` for the real model's config,
+    its attention layers' names, the model's path), registered with real bfloat16 KV
+    tensors of 8 vLLM blocks; shut down and the segment unlinked afterwards."""
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    import shmkv
+    from shmkv.integrations.vllm import ShmkvConnector
+
+    path = _model_dir()
+    cfg = EngineArgs(model=path, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
+                     block_size=VB, kv_transfer_config=KVTransferConfig(
+                         kv_connector="ShmkvConnector",
+                         kv_connector_module_path="shmkv.integrations.vllm",
+                         kv_role="kv_both", kv_load_failure_policy="recompute",
+                         kv_connector_extra_config={"segment": seg, "num_blocks": 256})
+                     ).create_engine_config()
+    w = None
+    try:
+        w = ShmkvConnector(cfg, KVConnectorRole.WORKER, None)
+        kvc = w._kv.config
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(kvc.num_layers)]
+        g = torch.Generator().manual_seed(3)
+        tensors = {n: torch.randn(8, kvc.num_kv_heads, VB, 2 * kvc.head_dim,
+                                  generator=g).to(torch.bfloat16) for n in names}
+        w.register_kv_caches(tensors)
+        assert w._layout is not None
+        yield w, names, path
+    finally:
+        if w is not None:
+            w.shutdown()
+        try:
+            shmkv.KVCache.attach(seg).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def runner_step(w: Any, names: list[str], saves: list, layers_done: int,
+                raise_exc: Optional[BaseException] = None, loads: Optional[list] = None):
+    """One step as vLLM's runner makes it: metadata bound, the loads (start_load_kv),
+    save_kv_layer after each layer that ran, wait_for_save in the finally (with the
+    forward's exception in flight)."""
+    from shmkv.integrations.vllm.connector import ShmkvConnectorMetadata
+
+    w.bind_connector_metadata(ShmkvConnectorMetadata(saves=saves, loads=loads or []))
+    try:
+        try:
+            w.start_load_kv(None)
+            for n in names[:layers_done]:
+                w.save_kv_layer(n, None, None)
+            if raise_exc is not None:
+                raise raise_exc
+        finally:
+            w.wait_for_save()
+            w.clear_connector_metadata()
+    except BaseException as e:
+        if e is not raise_exc:
+            raise

@@ -80,6 +80,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ShmkvConnector", "ShmkvConnectorMetadata", "request_salt"]
 
+# While the engine serves, a call into the segment waits at most STEP_LOCK_TIMEOUT s for
+# its pool lock (``lock_timeout``), and after a wait that ran out this process does not
+# wait for it again for LOCK_BACKOFF s (KVCache.lock_backoff: calls that find it held fail
+# at once -- a miss, a dropped save).  A process stopped while holding the lock (Ctrl-Z,
+# a debugger, ``docker pause``) costs each step at most one bound per second.  Attaching
+# at engine start keeps the segment's own 10 s bound (a new engine's recovery pass).
+STEP_LOCK_TIMEOUT = 0.1
+LOCK_BACKOFF = 1.0
+
 # under "vllm": the lines appear in vLLM's own log (vllm serve), formatted as vLLM's
 log = logging.getLogger("vllm.shmkv")
 
@@ -144,7 +153,9 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
     published, then computes it itself; default 2: above the longest prefill step of the
     engine that computes it), ``pending_ttl`` (seconds a mark lasts at most; default 120),
     ``pending_lock_timeout`` (seconds a step waits at most for the marks' lock, then answers
-    "no marks"; default 0.05).
+    "no marks"; default 0.05), ``lock_timeout`` (seconds a step's call waits at most for
+    the segment's pool lock, then goes on without the cache -- a miss, a dropped save --
+    and waits no more for a second; default 0.1).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -161,6 +172,10 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         self._pending_stall = float(extra.get("pending_stall", 2.0))
         self._pending_ttl = float(extra.get("pending_ttl", 120.0))
         self._pending_lock_timeout = float(extra.get("pending_lock_timeout", LOCK_TIMEOUT))
+        self._lock_timeout = float(extra.get("lock_timeout", STEP_LOCK_TIMEOUT))
+        if not 0 < self._lock_timeout <= 10:
+            raise ValueError(f"shmkv: lock_timeout must be in (0, 10] seconds, got "
+                             f"{self._lock_timeout}")
         if not (0 <= self._pending_wait <= 600 and 0 <= self._pending_stall <= 600
                 and 0 < self._pending_ttl <= 3600 and 0 <= self._pending_lock_timeout <= 1):
             raise ValueError("shmkv: pending_wait and pending_stall must be in [0, 600], "
@@ -181,6 +196,9 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         # tensor parallel: this worker's rank; it copies its slice of the heads (tp.py)
         self._tp = tp_rank(vllm_config, role == KVConnectorRole.WORKER)
         self._load_errors: set[int] = set()
+        self._unfreed: list[tuple[int, bool]] = []   # sequences a lock timeout left to free
+        self._lock_count = 0                     # calls failed for the pool lock
+        self._lock_warned = -1e9                 # when that was last logged
         self._short_reqs: set[str] = set()       # requests whose load fell short this step
         # the forward's progress: the attention layers vLLM reported done this step
         # (save_kv_layer), out of all of them; a step that did not finish publishes nothing
@@ -241,6 +259,33 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
                  *("on" if x else "off" for x in (self._load_on, self._save_on,
                                                    self._marks_on(),
                                                    self._events_on)))
+        if role == KVConnectorRole.SCHEDULER:
+            self._bound_waits()             # the worker's: once its tensors are registered
+
+    def _bound_waits(self) -> None:
+        """From here on the engine serves: the step's bound on the pool lock (see
+        STEP_LOCK_TIMEOUT).  The ranks of one process share the segment's handle."""
+        assert self._kv is not None
+        self._kv.lock_timeout = self._lock_timeout
+        self._kv.lock_backoff = LOCK_BACKOFF
+
+    def _lock_failed(self, e: BaseException) -> bool:
+        """Whether ``e`` is a pool-lock wait that ran out (or was refused in the backoff's
+        pause): then it is counted (vLLM's /metrics) and the log says so at most once a
+        minute, for every call that fails so meanwhile (the caller logs nothing)."""
+        if not isinstance(e, shmkv.LockTimeout):
+            return False
+        self._iv.count("lock_timeouts")
+        self._lock_count += 1
+        now = time.monotonic()
+        if now - self._lock_warned >= 60.0:
+            self._lock_warned = now
+            log.warning("shmkv: segment %r: its pool lock was held past lock_timeout (%.2f "
+                        "s) by another process (one stopped while holding it: Ctrl-Z, a "
+                        "debugger, docker pause?); %d calls went without the cache so far "
+                        "(misses, dropped saves), waiting at most once a second",
+                        self._spec.name, self._lock_timeout, self._lock_count)
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -295,7 +340,9 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
                                                     limit):
                 return None, False          # another instance computes it: not yet
         except Exception as e:              # a cache never fails a request
-            log.warning("shmkv: match_prefix failed (%s: %s); no hit", type(e).__name__, e)
+            if not self._lock_failed(e):
+                log.warning("shmkv: match_prefix failed (%s: %s); no hit",
+                            type(e).__name__, e)
             return 0, False
         if _fault(st.salt, "overclaim") and hit + vb <= limit:
             hit += vb
@@ -508,6 +555,7 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         nothing died (no pool lock, no walk of the pool), returns at once when another
         process is recovering (``busy``), and reclaims in O(what died)."""
         assert self._kv is not None
+        self._free_unfreed()
         try:
             got = self._kv.recover() if self._tp is None or self._tp.rank == 0 else {}
             if got.get("processes") or got.get("sequences") or got.get("blocks"):
@@ -516,6 +564,7 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
                          got.get("sequences", 0), got.get("blocks", 0), self._kv.name)
             self._iv.set_gauges(segment_gauges(self._kv.stats()))
         except Exception as e:              # housekeeping never fails a step
+            self._lock_failed(e)
             log.debug("shmkv: housekeeping failed (%s: %s)", type(e).__name__, e)
 
     @classmethod

@@ -24,6 +24,9 @@ Per instance (counters and histograms, vLLM's ``model_name``/``engine`` labels):
 ``vllm:shmkv_pending_lock_timeouts_total``          pending-mark operations that found the
                                                     marks' lock held past its bound (answered
                                                     "no marks")
+``vllm:shmkv_lock_timeouts_total``                  calls into the segment that found its pool
+                                                    lock held past ``lock_timeout`` (or within
+                                                    the second after): a miss, a dropped save
 ``vllm:shmkv_load_seconds``                         one step's loads (histogram)
 ``vllm:shmkv_save_seconds``                         one step's saves (histogram)
 =================================================  ==========================================
@@ -66,6 +69,8 @@ COUNTERS: Mapping[str, str] = {
     "pending_timeouts": "Held-back requests computed here after the pending bound.",
     "pending_lock_timeouts": "Pending-mark operations that found the marks' lock held past "
                              "its bound (answered no marks).",
+    "lock_timeouts": "Calls into the shmkv segment that found its pool lock held past "
+                     "lock_timeout, or within the second after (a miss, a dropped save).",
 }
 # gauge key -> help text (the metric is vllm:shmkv_segment_<key>)
 GAUGES: Mapping[str, str] = {

@@ -121,8 +121,9 @@ def tp_save(conn, op, finished: bool = True) -> None:
             else:
                 hdr = torch.tensor([have, 0], dtype=torch.int64)
         except Exception as e:
-            log.warning("shmkv: save of %s failed on rank 0 (%s: %s)", op.req_id,
-                        type(e).__name__, e)
+            if not conn._lock_failed(e):
+                log.warning("shmkv: save of %s failed on rank 0 (%s: %s)", op.req_id,
+                            type(e).__name__, e)
             conn.stats["save_errors"] += 1
     ok = int(finished)
     try:
@@ -149,16 +150,18 @@ def tp_save(conn, op, finished: bool = True) -> None:
                           fault_half=tp.rank == tp.size - 1 and _fault(op.salt, "kill_mid_save"))
         except Exception as e:
             ok = 0
-            log.warning("shmkv: save of %s failed on rank %d (%s: %s)", op.req_id, tp.rank,
-                        type(e).__name__, e)
+            if not conn._lock_failed(e):
+                log.warning("shmkv: save of %s failed on rank %d (%s: %s)", op.req_id,
+                            tp.rank, type(e).__name__, e)
         ok = tp._min(ok)                    # every slice written?
         if ok and tp.rank == 0:
             try:
                 kv.commit(sid)
             except Exception as e:          # a LockTimeout...: a miss later, never vLLM's
                 ok = 0
-                log.warning("shmkv: commit of %s failed on rank 0 (%s: %s)", op.req_id,
-                            type(e).__name__, e)
+                if not conn._lock_failed(e):
+                    log.warning("shmkv: commit of %s failed on rank 0 (%s: %s)", op.req_id,
+                                type(e).__name__, e)
         if ok:
             conn.stats["saved_tokens"] += end - have
         else:
@@ -166,17 +169,10 @@ def tp_save(conn, op, finished: bool = True) -> None:
     finally:
         if tp.rank == 0:
             for f in forks:             # the ones no rank adopted are still this process's
-                try:
-                    if kv.owner_pid(f) == os.getpid():
-                        kv.free(f)
-                except Exception:
-                    pass
+                conn._free(f, only_if_mine=True)
         for s in (sid, mine):
             if s is not None:
-                try:
-                    kv.free(s)          # committed blocks stay cached
-                except Exception:
-                    pass
+                conn._free(s)           # committed blocks stay cached
 
 
 def tp_load(conn, op) -> None:
@@ -193,8 +189,9 @@ def tp_load(conn, op) -> None:
         sid = kv.create_sequence(tokens=op.tokens, salt=op.salt)
         have = max(op.start, min(kv.seq_len(sid), op.end) // bs * bs)
     except Exception as e:
-        log.warning("shmkv: load of %s failed on rank %d (%s: %s); recomputing", op.req_id,
-                    tp.rank, type(e).__name__, e)
+        if not conn._lock_failed(e):
+            log.warning("shmkv: load of %s failed on rank %d (%s: %s); recomputing",
+                        op.req_id, tp.rank, type(e).__name__, e)
     good = op.start
     try:
         have = tp._min(have)                # what every rank holds pinned
@@ -207,16 +204,14 @@ def tp_load(conn, op) -> None:
                 _copy_all(conn, src, vblk, sub, True)
             except Exception as e:
                 ok = 0
-                log.warning("shmkv: load of %s failed on rank %d (%s: %s); recomputing",
-                            op.req_id, tp.rank, type(e).__name__, e)
+                if not conn._lock_failed(e):
+                    log.warning("shmkv: load of %s failed on rank %d (%s: %s); "
+                                "recomputing", op.req_id, tp.rank, type(e).__name__, e)
             if tp._min(ok):
                 good = have
     finally:
         if sid is not None:
-            try:
-                kv.free(sid)
-            except Exception:
-                pass
+            conn._free(sid)
     conn.stats["loaded_tokens"] += good - op.start
     if good < op.end:
         conn._load_errors.update(op.block_ids[(good - op.start) // vb:])

@@ -70,6 +70,8 @@ class _WorkerHalf:
         if not on:
             self._save_on = self._load_on = False
             self._layout, self._layers, self._layer_names = None, [], frozenset()
+        if self._kv is not None:
+            self._bound_waits()             # the engine serves from here on
 
     def _register(self, kv_caches: dict[str, torch.Tensor]) -> bool:
         """Checks vLLM's KV tensors against the segment, picks the copy layout: on?"""
@@ -101,6 +103,28 @@ class _WorkerHalf:
         self._layers = [(kv_caches[n], *pool_tensors(self._kv, i)) for i, n in enumerate(names)]
         self._layer_names = frozenset(names)
         return True
+
+    def _free(self, sid: int, only_if_mine: bool = False) -> None:
+        """Frees one of this worker's sequences (committed blocks stay cached); with
+        ``only_if_mine``, only while this process owns it (a fork another rank did not
+        adopt).  One that cannot be freed now (the pool lock held past the bound) is
+        freed by a later step: nothing stays pinned while the process lives."""
+        assert self._kv is not None
+        try:
+            if not only_if_mine or self._kv.owner_pid(sid) == os.getpid():
+                self._kv.free(sid)
+        except shmkv.LockTimeout:
+            self._unfreed.append((sid, only_if_mine))
+        except Exception:
+            pass
+
+    def _free_unfreed(self) -> None:
+        todo, self._unfreed = self._unfreed, []
+        for i, (sid, only_if_mine) in enumerate(todo):
+            self._free(sid, only_if_mine)
+            if self._unfreed:               # the lock is still held: the next step
+                self._unfreed += todo[i + 1:]
+                return
 
     def _self_test(self, dtype: torch.dtype) -> Optional[CpuLayout]:
         assert self._kv is not None
@@ -135,6 +159,8 @@ class _WorkerHalf:
         meta = self._get_connector_metadata()
         assert isinstance(meta, ShmkvConnectorMetadata)
         self._short_reqs = set()
+        if self._unfreed:
+            self._free_unfreed()
         if meta.loads:
             t0 = time.perf_counter()
             for op in meta.loads:
@@ -184,14 +210,12 @@ class _WorkerHalf:
                     self._layout.copy(t, kp, vp, bs, src, vblk, sub, to_vllm=True)
                 good = have
         except Exception as e:
-            log.warning("shmkv: load of %s failed (%s: %s); recomputing", op.req_id,
-                        type(e).__name__, e)
+            if not self._lock_failed(e):
+                log.warning("shmkv: load of %s failed (%s: %s); recomputing", op.req_id,
+                            type(e).__name__, e)
         finally:
             if sid is not None:
-                try:
-                    kv.free(sid)
-                except Exception:
-                    pass
+                self._free(sid)
         self.stats["loaded_tokens"] += good - op.start
         self._account_load(op, good)
         if good < op.end:
@@ -271,8 +295,8 @@ class _WorkerHalf:
                         "publish nothing", f"{type(exc).__name__}" if exc is not None else
                         f"{len(written)} of {len(self._layer_names)} layers done",
                         len(meta.saves))
+            self._dump_stats()              # now: a stopping rank may not get further
             if self._tp is None:
-                self._dump_stats()
                 return
             # tensor parallel: every rank still takes part in each save's collectives
             # (the others wait for it), and none commits (tp_save's all-ranks vote)
@@ -323,13 +347,12 @@ class _WorkerHalf:
         except Exception as e:                  # full pool, foreign segment...: a miss later
             self.stats["save_errors"] += 1
             self._iv.count("save_errors")
-            log.warning("shmkv: save of %s failed (%s: %s)", op.req_id, type(e).__name__, e)
+            if not self._lock_failed(e):
+                log.warning("shmkv: save of %s failed (%s: %s)", op.req_id,
+                            type(e).__name__, e)
         finally:
             if sid is not None:
-                try:
-                    kv.free(sid)                # committed blocks stay cached
-                except Exception:
-                    pass
+                self._free(sid)
 
     def _account_save(self, op: SaveOp, have: int, end: int) -> None:
         """This interval's figures and events for a save that published [have, end)."""
