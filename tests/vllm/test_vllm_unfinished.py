@@ -11,6 +11,9 @@ an engine: a complete step publishes, a step that stopped half-way through its l
 raised publishes nothing, and the connector counts it."""
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 from conftest import unique_name  # tests/conftest.py
@@ -80,4 +83,52 @@ def test_a_runner_that_never_reports_layers_still_saves(worker):
     _step(w, names, [SaveOp("r", t, salt, [2])], 0, RuntimeError("in a layer"))
     assert _hit(w, t, salt) == 0
     _step(w, names, [SaveOp("r", t, salt, [2])], 0)
+    assert _hit(w, t, salt) == VB
+
+
+class _TermMidCopy:
+    """The worker's layout, whose copy sends this process SIGTERM before layer ``at``."""
+
+    def __init__(self, layout, at: int) -> None:
+        self._real, self._at, self.calls = layout, at, 0
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def copy(self, *args, **kwargs):
+        if self.calls == self._at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.calls += 1
+        return self._real.copy(*args, **kwargs)
+
+
+def test_a_sigterm_inside_the_saves_copy_publishes_nothing(worker):
+    """The other point of a step: SIGTERM lands while ``wait_for_save`` copies the blocks
+    of a forward that completed.  vLLM's workers turn it into SystemExit (their handler,
+    as here), raised in the middle of the copy: it leaves the save before ``commit``, the
+    sequence it reserved is freed, nothing of it is findable, and SystemExit goes on to
+    stop the worker."""
+    from shmkv.integrations.vllm import request_salt
+    from shmkv.integrations.vllm.connector import SaveOp
+
+    w, names, path = worker
+    salt = request_salt(path)
+    t = np.arange(7, VB + 7, dtype=np.int32)
+    real = w._layout
+    w._layout = term = _TermMidCopy(real, len(names) // 2)
+
+    def as_vllm(signum, frame):                 # vLLM's worker: SIGTERM -> SystemExit
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, as_vllm)
+    try:
+        with pytest.raises(SystemExit):
+            runner_step(w, names, [SaveOp("r", t, salt, [1])], len(names))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        w._layout = real
+    assert term.calls == len(names) // 2            # it stopped half-way through the layers
+    assert _hit(w, t, salt) == 0
+    assert w._kv.stats()["num_sequences"] == 0 and w._kv.check() == []
+    runner_step(w, names, [SaveOp("r", t, salt, [1])], len(names))   # and later: saved
     assert _hit(w, t, salt) == VB
