@@ -17,6 +17,24 @@ _core.set_crash_point("create_mid", stop=True)
 print("armed", flush=True)
 kv.create_sequence(tokens=list(range(1, 2 * kv.config.block_size + 2)))
 """
+# a process that attaches, arms a crash point in "stop" mode and runs into it in an append:
+# stopped right there, holding what the append holds at that point (argv: the segment's
+# name, the point, the sequence to append to, 1: its own sequence, grown once first, so
+# that its process cache is filled and the append takes the fast path)
+SEGMENT_HOLDER = """import sys, numpy as np, shmkv, shmkv._core as _core
+name, point, sid, warm = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+cache = shmkv.KVCache.attach(name)
+bs = cache.config.block_size
+shape = (cache.config.num_layers, 2 * bs, cache.config.num_kv_heads, cache.config.head_dim)
+x = np.ones(shape, dtype=cache.config.numpy_dtype)
+if warm:
+    sid = cache.create_sequence()
+    cache.append(sid, x, x)
+print("armed", flush=True)
+_core.set_crash_point(point, stop=True)
+cache.append(sid, x, x)     # stops inside; after SIGCONT it would go on
+print("went on", flush=True)
+"""
 # a process that takes a file's flock and stops holding it (argv: the file)
 FLOCK_HOLDER = """import fcntl, os, signal, sys
 fd = os.open(sys.argv[1], os.O_RDWR)

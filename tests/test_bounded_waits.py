@@ -13,33 +13,14 @@ import time
 
 import pytest
 from recovery_workers import tokens
-from stopped_helpers import end, start_stopped
+from stopped_helpers import SEGMENT_HOLDER, end, start_stopped
 
 import shmkv
 import shmkv._core as _core
 
-# a process that attaches, arms a crash point in "stop" mode and runs into it: stopped
-# right there, holding what the operation holds at that point
-_HOLDER = textwrap.dedent("""
-    import sys, numpy as np, shmkv, shmkv._core as _core
-    name, point, sid, warm = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    cache = shmkv.KVCache.attach(name)
-    bs = cache.config.block_size
-    shape = (cache.config.num_layers, 2 * bs, cache.config.num_kv_heads,
-             cache.config.head_dim)
-    x = np.ones(shape, dtype=cache.config.dtype)
-    if warm:                    # its own sequence, grown once: the process cache is filled
-        sid = cache.create_sequence()
-        cache.append(sid, x, x)
-    print("armed", flush=True)
-    _core.set_crash_point(point, stop=True)
-    cache.append(sid, x, x)     # stops inside; after SIGCONT it would go on
-    print("went on", flush=True)
-""")
-
 
 def _stopped_holder(procs, name, point, sid=0, warm=False):
-    return start_stopped(_HOLDER, name, point, str(sid), str(int(warm)), procs=procs)
+    return start_stopped(SEGMENT_HOLDER, name, point, str(sid), str(int(warm)), procs=procs)
 
 
 @pytest.fixture

@@ -29,7 +29,8 @@ it loads from the segment), one after the other on one segment:
 And the locks: S's main batch runs while a SIGSTOPped process holds the pending table's
 lock (every marks operation answers "no marks" within its bound; S serves on); then two
 prompts while one holds the segment's pool lock (each of S's processes waits 0.1 s once,
-then goes on without the cache; the holder killed, the next request loads); and R starts
+then goes on without the cache; the holder killed, the next request loads), and two while
+one is stopped on its process cache's fast path (nothing waits for it); and R starts
 on a garbage ``NAME.pending`` (its marks turn off with one warning; the cache itself
 serves on).
 
@@ -52,7 +53,13 @@ import pytest
 from configs_helpers import run_engine, tiny_llama, unlink
 from conftest import unique_name  # tests/conftest.py
 from serve_helpers import ServeInstance, connector_config, post_json
-from stopped_helpers import FLOCK_HOLDER, POOL_LOCK_HOLDER, end, start_stopped
+from stopped_helpers import (
+    FLOCK_HOLDER,
+    POOL_LOCK_HOLDER,
+    SEGMENT_HOLDER,
+    end,
+    start_stopped,
+)
 from vllm_helpers import needs_vllm
 
 from shmkv.pending import pending_path
@@ -140,6 +147,7 @@ def _serve_s(tmp, path: str, seg: str, xs: list[list[int]], p: list[int],
                           m.get("vllm:shmkv_pending_lock_timeouts_total", 0.0)}
             results += [dict(r, connector=_read(stats), engine=engine) for r in got]
         pool_lock = _stopped_pool_lock_batch(s, seg, xs, stats)
+        cache_lock = _stopped_cache_lock_batch(s, seg, xs)
         open(spec["flag"], "w").close()
         # p's request, on a connection of its own: after the SIGTERM, vLLM's API server
         # waits for open connections to close, so the test closes it
@@ -173,7 +181,7 @@ def _serve_s(tmp, path: str, seg: str, xs: list[list[int]], p: list[int],
         except subprocess.TimeoutExpired:
             rc = -999
         return {"rc": rc, "results": results, "log": s.tail(200_000), "stats": _read(stats),
-                "pool_lock": pool_lock}
+                "pool_lock": pool_lock, "cache_lock": cache_lock}
     finally:
         s.stop()
 
@@ -197,6 +205,22 @@ def _stopped_pool_lock_batch(s: ServeInstance, seg: str, xs: list[list[int]], st
             "lock_timeouts": m.get("vllm:shmkv_lock_timeouts_total", 0.0),
             "save_seconds": conn.get("save_seconds", 0.0) - before.get("save_seconds", 0.0),
             "load_seconds": conn.get("load_seconds", 0.0) - before.get("load_seconds", 0.0)}
+
+
+def _stopped_cache_lock_batch(s: ServeInstance, seg: str, xs: list[list[int]]) -> dict:
+    """S serves two prompts of the segment while a process is stopped on its own process
+    cache's fast path (that cache's lock held): nothing the connector calls waits for it."""
+    reqs = [{"prompt_ids": x, "max_tokens": 16, "cache_salt": "ref"} for x in xs[2:4]]
+    before = s.metrics().get("vllm:shmkv_lock_timeouts_total", 0.0)
+    holder = start_stopped(SEGMENT_HOLDER, seg, "grow_before_tail", "0", "1")
+    try:
+        during = _serve_batch(s.url, reqs)
+        m = s.metrics()
+    finally:
+        end(holder)
+    post_json(s.url + "/reset_prefix_cache", {})
+    return {"during": during,
+            "lock_timeouts": m.get("vllm:shmkv_lock_timeouts_total", 0.0) - before}
 
 
 def _served(kv, path: str, ids: list[int]) -> tuple[list[int], int, np.ndarray, np.ndarray]:
@@ -379,6 +403,19 @@ def test_a_stopped_holder_of_the_pool_lock_costs_steps_a_bound_not_a_freeze(engi
     assert pl["after"][0]["num_cached_tokens"] >= 2 * VB, pl["after"]
     warned = [ln for ln in S["log"].splitlines() if "its pool lock was held past" in ln]
     assert 1 <= len(warned) <= 3, warned                # once per process, not per call
+
+
+def test_a_stopped_holder_of_a_process_cache_costs_the_engine_nothing(engines):
+    """S served two prompts of the segment while a SIGSTOPped process held its own process
+    cache's lock (stopped on its fast path): the lookups, loads and saves take no other
+    process's cache lock, so S loaded both prompts, no wait ran out, and the answers are
+    those S gives alone."""
+    S = engines["S"]
+    cl = S["cache_lock"]
+    assert cl["lock_timeouts"] == 0, cl
+    assert all(r["num_cached_tokens"] >= 2 * VB for r in cl["during"]), cl["during"]
+    ref = S["results"][8:10]
+    assert [r["token_ids"] for r in cl["during"]] == [r["token_ids"][:16] for r in ref]
 
 
 def test_a_garbage_pending_table_turns_only_the_marks_off_and_the_engine_serves(engines):
