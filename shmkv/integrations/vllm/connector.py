@@ -269,24 +269,6 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         self._kv.lock_timeout = self._lock_timeout
         self._kv.lock_backoff = LOCK_BACKOFF
 
-    def _lock_failed(self, e: BaseException) -> bool:
-        """Whether ``e`` is a pool-lock wait that ran out (or was refused in the backoff's
-        pause): then it is counted (vLLM's /metrics) and the log says so at most once a
-        minute, for every call that fails so meanwhile (the caller logs nothing)."""
-        if not isinstance(e, shmkv.LockTimeout):
-            return False
-        self._iv.count("lock_timeouts")
-        self._lock_count += 1
-        now = time.monotonic()
-        if now - self._lock_warned >= 60.0:
-            self._lock_warned = now
-            log.warning("shmkv: segment %r: its pool lock was held past lock_timeout (%.2f "
-                        "s) by another process (one stopped while holding it: Ctrl-Z, a "
-                        "debugger, docker pause?); %d calls went without the cache so far "
-                        "(misses, dropped saves), waiting at most once a second",
-                        self._spec.name, self._lock_timeout, self._lock_count)
-        return True
-
     @property
     def requires_kv_delivery(self) -> bool:
         """False: a best-effort cache (vLLM 0.32 defaults it to True for ``kv_both``).  A

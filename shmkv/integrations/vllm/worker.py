@@ -56,6 +56,25 @@ _STATS_FILE = os.environ.get("SHMKV_VLLM_STATS") or None
 class _WorkerHalf:
     """The worker side of ShmkvConnector (see the module docstring)."""
 
+    def _lock_failed(self, e: BaseException) -> bool:
+        """Whether ``e`` is a pool-lock wait that ran out (or was refused in the backoff's
+        pause): then it is counted (vLLM's /metrics) and the log says so at most once a
+        minute, for every call that fails so meanwhile (the caller logs nothing).  Both
+        halves' (the scheduler's lookups too)."""
+        if not isinstance(e, shmkv.LockTimeout):
+            return False
+        self._iv.count("lock_timeouts")
+        self._lock_count += 1
+        now = time.monotonic()
+        if now - self._lock_warned >= 60.0:
+            self._lock_warned = now
+            log.warning("shmkv: segment %r: its pool lock was held past lock_timeout (%.2f "
+                        "s) by another process (one stopped while holding it: Ctrl-Z, a "
+                        "debugger, docker pause?); %d calls went without the cache so far "
+                        "(misses, dropped saves), waiting at most once a second",
+                        self._spec.name, self._lock_timeout, self._lock_count)
+        return True
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
             on = self._register(kv_caches)
