@@ -10,7 +10,13 @@ value straight into its destination buffer (``recv_into``, the GIL released).  M
 against redis-py's cluster pipeline in benchmarks/tier_bench.py ("client choice").
 
 Every call is bounded (connect and socket timeouts); any failure raises ``TierIOError``
-after closing the node's socket, and the caller (shmkv.tier) counts it and backs off.
+after closing the node's sockets and marking the topology stale.  A failure that a new
+topology may cure -- a refused or closed connection (a master killed; its replica took
+over), a ``MOVED``/``ASK``/``CLUSTERDOWN``/``TRYAGAIN`` reply -- is retried once by
+``set_many``/``get_many`` (``TierIOError.retry``; a timeout is not: a slow node would
+cost the wait twice).  The topology is re-read from every node known so far, not only the
+URL's (which may be the one that died).  Past that the caller (shmkv.tier) counts the
+failure and backs off.
 """
 from __future__ import annotations
 
@@ -24,7 +30,19 @@ __all__ = ["Transport", "TierIOError"]
 
 
 class TierIOError(Exception):
-    """The tier could not be reached or answered with an error."""
+    """The tier could not be reached or answered with an error.  ``retry``: whether a
+    second try on a topology read anew may go through (False for a timeout)."""
+
+    def __init__(self, msg: str, retry: bool = True) -> None:
+        super().__init__(msg)
+        self.retry = retry
+
+
+_TOPOLOGY_ERRORS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
+
+
+def _io_error(what: str, e: BaseException) -> TierIOError:
+    return TierIOError(f"{what}: {e}", retry=not isinstance(e, TimeoutError))
 
 
 class _Node:
@@ -42,7 +60,7 @@ class _Node:
             try:
                 s = socket.create_connection(self.addr, timeout=self.timeout)
             except OSError as e:
-                raise TierIOError(f"connect {self.addr[0]}:{self.addr[1]}: {e}") from None
+                raise _io_error(f"connect {self.addr[0]}:{self.addr[1]}", e) from None
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
@@ -81,7 +99,7 @@ class _Node:
                 i += 512
         except OSError as e:
             self.close()
-            raise TierIOError(f"send to {self.addr[0]}:{self.addr[1]}: {e}") from None
+            raise _io_error(f"send to {self.addr[0]}:{self.addr[1]}", e) from None
 
     # ---- reading ---------------------------------------------------------------------
     def _fill(self) -> None:
@@ -152,6 +170,25 @@ class _Node:
         raise OSError(f"protocol error: unexpected reply {line[:40]!r}")
 
 
+def _seeds(url: str) -> List[Tuple[str, int]]:
+    """The (host, port) pairs of ``redis://host:port[,host:port...]``."""
+    text = url if "://" in url else "redis://" + url
+    scheme, _, rest = text.partition("://")
+    if scheme != "redis" or not rest:
+        raise ValueError(f"url: expected redis://host:port[,host:port...], got {url!r}")
+    out = []
+    for part in rest.rstrip("/").split(","):
+        u = urlparse("redis://" + part.strip())
+        try:
+            port = u.port or 6379
+        except ValueError:
+            port = -1
+        if not u.hostname or not 0 < port < 65536:
+            raise ValueError(f"url: expected redis://host:port[,host:port...], got {url!r}")
+        out.append((u.hostname, port))
+    return out
+
+
 def _bulk(b: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(b), b)
 
@@ -166,48 +203,69 @@ class Transport:
 
     def __init__(self, url: str, *, cluster: bool = True, timeout: float = 1.0,
                  connect_timeout: float = 0.5) -> None:
-        u = urlparse(url if "://" in url else "redis://" + url)
-        if u.scheme not in ("redis", ""):
-            raise ValueError(f"url: expected redis://host:port, got {url!r}")
-        self.host = u.hostname or "127.0.0.1"
-        self.port = u.port or 6379
+        self.seeds = _seeds(url)
+        self.host, self.port = self.seeds[0]
+        self._known: List[Tuple[str, int]] = []    # every node of the last map read
+        self.retries = 0                            # batches tried again (set/get_many)
         self.cluster = cluster
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._rc: Any = None
+        self._stale = False                     # re-read the topology before the next use
         self._nodes: Dict[Tuple[str, int], _Node] = {}
         self._lock = threading.Lock()
         self.bufs: Dict[int, List[Any]] = {}      # value buffers by size, for their user
 
     # ---- topology (redis-py) ---------------------------------------------------------
     def _topology(self) -> Any:
-        if self._rc is None:
-            from redis.cluster import RedisCluster
-            from redis.exceptions import RedisError
-
+        if self._stale and self._rc is not None:
+            # from every node the last map named (redis-py's dynamic startup nodes): the
+            # URL's node may be the one that died
+            self._stale = False
             try:
-                self._rc = RedisCluster(host=self.host, port=self.port,
+                self._rc.nodes_manager.initialize()
+            except Exception:
+                rc, self._rc = self._rc, None
+                try:
+                    rc.close()
+                except Exception:
+                    pass
+        if self._rc is None:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            # the URL's nodes, then every node the last map named: the first that answers
+            # gives the map (a dead seed is skipped)
+            seeds = list(dict.fromkeys(self.seeds + self._known))
+            try:
+                nodes = [ClusterNode(h, p) for h, p in seeds]  # type: ignore[no-untyped-call]
+                self._rc = RedisCluster(startup_nodes=nodes,
                                         socket_timeout=self.timeout,
                                         socket_connect_timeout=self.connect_timeout,
                                         require_full_coverage=False)
-            except (RedisError, OSError) as e:
-                raise TierIOError(f"cluster at {self.host}:{self.port}: {e}") from None
+            except Exception as e:           # RedisError, RedisClusterException, OSError
+                raise _io_error(f"cluster at {', '.join(f'{h}:{p}' for h, p in seeds)}",
+                                e) from None
+            try:
+                self._known = [(n.host, int(n.port)) for n in self._rc.get_nodes()]
+            except Exception:
+                pass
         return self._rc
 
     def refresh(self) -> None:
-        """Forget the topology and the sockets: the next batch reads them anew."""
-        rc, self._rc = self._rc, None
-        if rc is not None:
-            try:
-                rc.close()
-            except Exception:
-                pass
+        """Close the sockets and mark the topology stale: the next batch reads it anew."""
+        self._stale = True
         for n in self._nodes.values():
             n.close()
         self._nodes.clear()
 
     def close(self) -> None:
         self.refresh()
+        rc, self._rc = self._rc, None
+        if rc is not None:
+            try:
+                rc.close()
+            except Exception:
+                pass
 
     def _node_of(self, key: bytes) -> _Node:
         if not self.cluster:
@@ -231,15 +289,26 @@ class Transport:
             groups.setdefault(self._node_of(k).addr, []).append(i)
         return groups
 
-    def _fail(self, msg: str) -> None:
+    def _fail(self, msg: str, retry: bool = True) -> None:
         self.refresh()
-        raise TierIOError(msg)
+        raise TierIOError(msg, retry)
 
     # ---- the two batch operations ----------------------------------------------------
     def set_many(self, keys: Sequence[bytes], values: Sequence[Any],
                  ttl: Optional[int] = None) -> int:
         """SET every key (pipelined per node; all nodes sent to before any reply is
-        read).  Returns how many were stored; raises TierIOError on a failure."""
+        read).  Returns how many were stored; raises TierIOError on a failure (after one
+        retry on a topology read anew, where that may cure it)."""
+        try:
+            return self._set_many(keys, values, ttl)
+        except TierIOError as e:
+            if not e.retry:
+                raise
+        self.retries += 1
+        return self._set_many(keys, values, ttl)
+
+    def _set_many(self, keys: Sequence[bytes], values: Sequence[Any],
+                  ttl: Optional[int]) -> int:
         groups = self._group(keys)
         extra = b"" if ttl is None else b"$2\r\nEX\r\n" + _bulk(str(ttl).encode())
         argc = b"*3\r\n" if ttl is None else b"*5\r\n"
@@ -270,21 +339,38 @@ class Transport:
                     else:
                         errors.append(str(what))
                     if time.monotonic() > deadline:
-                        raise OSError("batch deadline passed")
+                        raise TimeoutError("batch deadline passed")
             except (OSError, ValueError) as e:
                 node.close()
-                self._fail(f"SET replies from {addr[0]}:{addr[1]}: {e}")
+                self._fail(f"SET replies from {addr[0]}:{addr[1]}: {e}",
+                           not isinstance(e, TimeoutError))
         if errors:
-            if any(e.startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")) for e in errors):
+            moved = any(e.startswith(_TOPOLOGY_ERRORS) for e in errors)
+            if moved:
                 self.refresh()
-            raise TierIOError(f"{len(errors)} SET(s) refused: {errors[0]}")
+            raise TierIOError(f"{len(errors)} SET(s) refused: {errors[0]}", moved)
         return stored
 
     def get_many(self, keys: Sequence[bytes], dests: Sequence[Any]) -> List[str]:
         """GET every key into its destination buffer (pipelined per node).  Returns per
         key "bulk" (read, exactly the buffer's size), "nil" (absent), "size" (present
-        with another size: a truncated or foreign value) or "err"."""
+        with another size: a truncated or foreign value) or "err".  A failure that a
+        topology read anew may cure, or a reply that says the map moved, is retried
+        once."""
+        try:
+            out = self.get_recv(self.get_send(keys), dests)
+            if not self.moved(out):
+                return out
+        except TierIOError as e:
+            if not e.retry:
+                raise
+        self.retries += 1
         return self.get_recv(self.get_send(keys), dests)
+
+    @staticmethod
+    def moved(kinds: Sequence[str]) -> bool:
+        """Whether get_recv's answer has a reply that says the map moved ("moved")."""
+        return "moved" in kinds
 
     def get_send(self, keys: Sequence[bytes]) -> Any:
         """The request half of get_many: the GETs go out to every node at once (the
@@ -301,7 +387,9 @@ class Transport:
 
     def get_recv(self, sent: Any, dests: Sequence[Any]) -> List[str]:
         """The reply half of get_many (every reply of a get_send must be read, in
-        order, before the next request on these connections)."""
+        order, before the next request on these connections).  A key whose node said
+        the map moved (MOVED, ASK, CLUSTERDOWN, TRYAGAIN) is "moved" (the topology is
+        then marked stale)."""
         n, groups = sent
         out = ["err"] * n
         deadline = time.monotonic() + self.timeout * (2 + n)
@@ -314,15 +402,16 @@ class Transport:
             try:
                 for i in idx:
                     kind, what = node.reply(dests[i])
-                    out[i] = kind
-                    if kind == "err" and str(what).startswith(("MOVED", "ASK", "CLUSTERDOWN",
-                                                               "TRYAGAIN")):
+                    if kind == "err" and str(what).startswith(_TOPOLOGY_ERRORS):
+                        kind = "moved"
                         moved = True
+                    out[i] = kind
                     if time.monotonic() > deadline:
-                        raise OSError("batch deadline passed")
+                        raise TimeoutError("batch deadline passed")
             except (OSError, ValueError) as e:
                 node.close()
-                self._fail(f"GET replies from {addr[0]}:{addr[1]}: {e}")
+                self._fail(f"GET replies from {addr[0]}:{addr[1]}: {e}",
+                           not isinstance(e, TimeoutError))
         if moved:
             self.refresh()
         return out

@@ -27,12 +27,23 @@ import tempfile
 import time
 from typing import List, Optional, Sequence
 
-__all__ = ["LocalCluster", "free_ports", "redis_available"]
+__all__ = ["LocalCluster", "free_ports", "masters_serving", "redis_available"]
 
 
 def redis_available() -> bool:
     """Whether redis-server and redis-cli are on PATH."""
     return bool(shutil.which("redis-server") and shutil.which("redis-cli"))
+
+
+def masters_serving(cluster_nodes: str) -> List[str]:
+    """The ``host:port`` of every master that serves slots and is not failed, from the
+    text of ``CLUSTER NODES``."""
+    out = []
+    for ln in cluster_nodes.splitlines():
+        f = ln.split()
+        if len(f) > 8 and "master" in f[2].split(",") and "fail" not in f[2].split(","):
+            out.append(f[1].split("@")[0])
+    return out
 
 
 def free_ports(n: int, start: int = 17000, stop: int = 27000) -> List[int]:
@@ -99,6 +110,9 @@ class LocalCluster:
                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
                 "--cluster-require-full-coverage", "no",
                 "--cluster-allow-reads-when-down", "no",
+                # a replica takes over however long it was apart from its master (the
+                # default refuses one that never finished its first sync in time)
+                "--cluster-replica-validity-factor", "0",
                 "--save", "", "--appendonly", "no", "--dir", d,
                 "--logfile", os.path.join(d, "redis.log"), "--daemonize", "no"]
         if self.maxmemory:
@@ -128,6 +142,12 @@ class LocalCluster:
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, timeout=timeout)
             self.wait_ok(timeout)
+            deadline = time.monotonic() + timeout
+            for p in self.replica_ports:            # every replica in sync
+                while "master_link_status:up" not in self._cli(p, "info", "replication"):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"replica on port {p} did not sync")
+                    time.sleep(0.1)
             self._save_state()
             return self
         except BaseException:
@@ -151,6 +171,28 @@ class LocalCluster:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+
+    def wait_failover(self, i: int, timeout: float = 30.0) -> None:
+        """After ``kill(i)`` of a master with a replica: until a live node's map has the
+        replica serving its slots (no failed master with slots) and every live node says
+        cluster_state:ok.  Bounded: RuntimeError past ``timeout``."""
+        dead = f"127.0.0.1:{self.ports[i]}"
+        live = [p for p in self.ports + self.replica_ports
+                if p in self.procs and self.procs[p].poll() is None]
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                nodes = self._cli(live[0], "cluster", "nodes")
+                serving = masters_serving(nodes)
+                if (dead not in serving and len(serving) == len(self.ports)
+                        and all("cluster_state:ok" in self._cli(p, "cluster", "info")
+                                for p in live)):
+                    return
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no replica took over the slots of {dead}")
             time.sleep(0.1)
 
     def pid(self, i: int) -> int:

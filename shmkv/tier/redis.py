@@ -27,10 +27,17 @@ pool's quantizer turns back into exactly those codes and scales.
 ``match_prefix`` loads into a temporary sequence it frees again (the blocks stay cached).
 A full pool stops the load: the call keeps the whole blocks it got, nothing leaks.
 
-**Faults.** Every network call is bounded (connect and socket timeouts); a failure is
-counted (``tier_errors``) and opens a circuit breaker: local-only for a back-off (0.5 s,
-doubling to 5 s), then one try, which re-reads the cluster's topology.  Nothing in this
-path raises into the caller (but KeyboardInterrupt and friends).
+**Faults.** Every network call is bounded (connect and socket timeouts), and so is a
+whole lookup: past ``deadline`` (1 s) no further window is asked for, and the blocks
+landed so far are the hit (a slow link costs a lookup the deadline and one round trip,
+not one round trip per window).  A refused or closed connection or a reply that says the
+cluster's map moved (a failover, a reshard) is retried once at once, on the topology read
+anew from every node known; what still fails is counted (``tier_errors``) and opens a
+circuit breaker -- one for reads, one for writes: a failed lookup does not drop the
+writes -- local-only for a back-off (0.5 s, doubling to 5 s), then one try.  The writer
+holds a batch that failed through the back-off and tries it again (twice), so an idle
+host's first writes after a failover are stored, not dropped.  Nothing in this path raises
+into the caller (but KeyboardInterrupt and friends).
 
 Counters are the segment's (``stats()``, ``shmkv info``, ``shmkv metrics``), summed over
 every process of the host that has a tier set: ``tier_hits`` (blocks loaded),
@@ -51,12 +58,13 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..errors import CacheFullError
-from .client import TierIOError, Transport
+from .client import TierIOError, Transport, _seeds
 from .codec import Layout, scale_table
 
 __all__ = ["RedisTier"]
 
 _PAGE = 4096
+_WRITE_RETRIES = 2          # a write batch that failed is tried this many times more
 
 
 def _value_buffer(layout: Layout) -> np.ndarray:
@@ -93,7 +101,9 @@ class RedisTier:
     Parameters
     ----------
     url : str
-        ``redis://host:port`` of any node of the cluster.
+        ``redis://host:port`` of any node of the cluster, or of several
+        (``redis://h1:p1,h2:p2``): the first that answers gives the cluster's map, so a
+        client starting while one of them is down still finds the others.
     cluster : bool
         The server is a Redis Cluster (default).
     timeout : float
@@ -115,6 +125,9 @@ class RedisTier:
         The circuit breaker's first and longest back-off, seconds (default 0.5, 5.0).
     close_timeout : float
         What ``set_tier(None)`` and ``close()`` give queued writes (default 5.0 s).
+    deadline : float
+        Seconds a lookup asks for new windows (default 1.0): a lookup takes at most this
+        and one round trip (``timeout`` at worst); what it landed by then is the hit.
 
     Notes
     -----
@@ -127,16 +140,18 @@ class RedisTier:
                  timeout: float = 1.0, connect_timeout: float = 0.5,
                  ttl: Optional[int] = None, max_queue: int = 4096, batch_blocks: int = 16,
                  max_window: int = 16, backoff: tuple[float, float] = (0.5, 5.0),
-                 close_timeout: float = 5.0) -> None:
+                 close_timeout: float = 5.0, deadline: float = 1.0) -> None:
         # redis-py is the topology client: fail here, not in a hook (ImportError naming the
         # extra), and warn once for a version outside the tested range
         from .._compat import check
 
         check("redis", what="shmkv.RedisTier")
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError("timeout, connect_timeout: expected > 0")
+        if not (timeout > 0 and connect_timeout > 0 and deadline > 0):
+            raise ValueError(f"timeout, connect_timeout, deadline: expected > 0, got "
+                             f"{timeout}, {connect_timeout}, {deadline}")
         if max_queue < 1 or batch_blocks < 1 or max_window < 1:
             raise ValueError("max_queue, batch_blocks, max_window: expected >= 1")
+        _seeds(url)                           # ValueError now for a malformed URL
         self.url = url
         self.cluster = cluster
         self.timeout = timeout
@@ -147,6 +162,7 @@ class RedisTier:
         self.max_window = max_window
         self.backoff = backoff
         self.close_timeout = close_timeout
+        self.deadline = deadline
         self._stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._idle: List[Transport] = []      # readers of closed bindings, kept warm
@@ -191,9 +207,10 @@ class RedisTier:
         """This process's detail: hits, misses (and why: absent, size, magic, foreign,
         hash, tokens, checksum, nonfinite: a quantized value's codes or scales that are
         NaN or inf), errors, bytes_in/out, written, dropped (writes not
-        made: queue full, breaker open, block gone before the writer pinned it),
-        pool_full (loads stopped by a full pool), skipped (lookups while the breaker
-        was open)."""
+        made: queue full, a batch that failed three times, block gone before the writer
+        pinned it), retried (calls tried again on a topology read anew), pool_full
+        (loads stopped by a full pool), skipped (lookups while the read breaker was
+        open), deadline (lookups cut short by ``deadline``)."""
         with self._lock:
             return dict(self._stats)
 
@@ -212,7 +229,8 @@ class _Binding:
         self.layout = Layout.of(cache)
         self.fbufs: Optional[tuple[np.ndarray, np.ndarray]] = None   # quantized loads
         self.cache_ref = weakref.ref(cache)
-        self.breaker = _Breaker(*tier.backoff)
+        self.rbreaker = _Breaker(*tier.backoff)    # reads and writes fail apart: a
+        self.wbreaker = _Breaker(*tier.backoff)    # failed lookup drops no write
         self.reader = tier._take_reader()
         self.rlock = threading.Lock()
         self.rbufs: List[np.ndarray] = self.reader.bufs.setdefault(self.layout.size, [])
@@ -379,10 +397,11 @@ class _Binding:
                 todo.append((h, key))
         if not todo:
             return
-        if self.breaker.open():
-            self._count(cache, dropped=len(todo))
-            return
+        failures = 0
         while todo:
+            if not self._wait_breaker():
+                self._count(cache, dropped=len(todo))      # closing: what is left
+                return
             chunk = todo[:self.tier.batch_blocks]
             arr = np.ascontiguousarray(np.array([h for h, _ in chunk], np.uint64))
             sid, n = cache._tier_pin(arr)
@@ -407,6 +426,7 @@ class _Binding:
                     vals.append(buf)
             finally:
                 cache.free(sid)
+            sent = chunk[:n]
             if n < len(chunk):                    # block n was reused before we pinned it
                 self._count(cache, dropped=1)
                 todo = todo[n + 1:]
@@ -414,18 +434,35 @@ class _Binding:
                 todo = todo[n:]
             if not keys:
                 continue
+            retries = wt.retries
             try:
                 stored = wt.set_many(keys, vals, self.tier.ttl)
             except TierIOError:
-                self.breaker.fail()
-                self._count(cache, errors=1, dropped=len(keys) + len(todo))
-                return
-            self.breaker.ok()
+                self.wbreaker.fail()
+                failures += 1
+                self._count(cache, errors=1)
+                if failures > _WRITE_RETRIES:
+                    self._count(cache, dropped=len(keys) + len(todo))
+                    return
+                todo = sent + todo                # again once the back-off is over
+                continue
+            self.wbreaker.ok()
+            if wt.retries > retries:
+                self.tier._count(retried=wt.retries - retries)
             for key in keys:
                 self._mark(key)
             self._count(cache, bytes_out=stored * lay.size, written=stored)
             with self.cond:
                 self.written += stored
+
+    def _wait_breaker(self) -> bool:
+        """Waits (the writer thread) until the write breaker lets a try through; False
+        when the binding closes meanwhile."""
+        while self.wbreaker.open():
+            if self.closed:
+                return False
+            time.sleep(min(0.05, max(0.0, self.wbreaker.until - time.monotonic())))
+        return True
 
     # ---- reads -----------------------------------------------------------------------
     def _ask(self, lay: Layout, hashes: np.ndarray, first: int, n: int,
@@ -445,7 +482,7 @@ class _Binding:
         match_prefix (sid None), to a temporary sequence freed afterwards.  Returns the
         blocks findable now.  Never raises an Exception."""
         try:
-            if self.closed or self.breaker.open():
+            if self.closed or self.rbreaker.open():
                 self.tier._count(skipped=1)
                 return hits
             if self.pid != os.getpid():
@@ -479,28 +516,43 @@ class _Binding:
         i: int = start
         sets: List[List[np.ndarray]] = [self.rbufs, self.rbufs2]
         pending = None                        # (first block, n, keys, request) sent ahead
+        until = time.monotonic() + self.tier.deadline
+        retried = False
         try:
             window = 4
             while i < nfull:
                 try:
                     if pending is None:
+                        if i > start and time.monotonic() > until:
+                            self.tier._count(deadline=1)
+                            return i          # the rest: a miss (computed by the caller)
                         pending = self._ask(lay, hashes, i, min(window, nfull - i), sets[0])
                     first, n, keys, req = pending
                     pending = None
                     bufs = sets[0][:n]
                     kinds = self.reader.get_recv(req, [b.data for b in bufs])
+                    if not retried and Transport.moved(kinds):
+                        raise TierIOError("a node said the cluster's map moved")
                     window *= 2
                     nxt = first + n
-                    if nxt < nfull and all(k == "bulk" for k in kinds):
+                    if (nxt < nfull and all(k == "bulk" for k in kinds)
+                            and time.monotonic() <= until):
                         # the next window goes out now: the servers answer while the
                         # values of this one are checked and landed (double buffering)
                         pending = self._ask(lay, hashes, nxt, min(window, nfull - nxt),
                                             sets[1])
-                except TierIOError:
-                    self.breaker.fail()
+                except TierIOError as e:
+                    if e.retry and not retried:
+                        # once, at once, on the topology read anew (the failure closed
+                        # every socket: nothing is in flight): a failover, a reshard
+                        retried = True
+                        pending = None
+                        self.tier._count(retried=1)
+                        continue
+                    self.rbreaker.fail()
                     self._count(cache, errors=1)
                     return i
-                self.breaker.ok()
+                self.rbreaker.ok()
                 got = sum(lay.size for k in kinds if k == "bulk")
                 loaded = 0
                 stop = None
@@ -543,7 +595,7 @@ class _Binding:
                             self.reader.get_recv(pending[3],
                                                  [b.data for b in sets[1][:pending[1]]])
                         except TierIOError:
-                            self.breaker.fail()
+                            self.rbreaker.fail()
                         pending = None
                     if stop == "pool_full":
                         self.tier._count(pool_full=1)

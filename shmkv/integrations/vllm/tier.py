@@ -46,8 +46,10 @@ class TierSpec:
     wait: float                 # longest a request waits for its lookup, seconds
 
     def make(self) -> "shmkv.RedisTier":
+        # a lookup runs in the background (TierLookups): it may ask for windows as long as
+        # a request waits for it
         return shmkv.RedisTier(self.url, cluster=self.cluster, timeout=self.timeout,
-                               connect_timeout=min(self.timeout, 0.5))
+                               connect_timeout=min(self.timeout, 0.5), deadline=self.wait)
 
 
 def _flag(v: Any) -> bool:
