@@ -21,6 +21,7 @@ PYTEST_ARGS ?=
 .PHONY: demo-serve
 .PHONY: bench-serve
 .PHONY: bench-recover
+.PHONY: demo-hosts
 
 all: install
 
@@ -56,6 +57,11 @@ cluster-stop: install
 # Two segments standing for two hosts, one cluster (make cluster first).
 two-hosts: install
 	$(PY) tools/two_hosts.py --url redis://127.0.0.1:$(firstword $(subst $(comma), ,$(CLUSTER_PORTS)))
+
+# Three hosts as network namespaces, a cluster over them, a prompt from A loaded on B over
+# the network (tools/netlab.py; root: CI's machine)
+demo-hosts: install redis
+	cd /tmp && $(abspath $(PY)) $(abspath tools/netlab.py)
 
 # recovery's cost (benchmarks/recover_bench.py; run from /tmp: the installed package)
 bench-recover: install
