@@ -32,22 +32,25 @@ processes it started (by PID), the namespaces (their links go with them).  Needs
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from shmkv.tier.cluster import masters_serving
 
 __all__ = ["Agent", "Lab", "LabCluster", "lab_available"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+_CLONE_NEWNET = 0x40000000
 
 
 def lab_available() -> Optional[str]:
@@ -207,6 +210,35 @@ class Lab:
             self.procs.remove(p)
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
+    def call(self, host: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)`` in a new thread of this process that has joined ``host``'s
+        network namespace (``setns`` moves only the calling thread): the sockets ``fn``
+        opens are the host's -- HTTP to a server it runs on its 127.0.0.1, a Redis client
+        of the cluster -- without a process per call.  Its result, or its exception."""
+        path = f"/run/netns/{self.hosts[host].ns}"
+        out: list = [None, None]
+
+        def run() -> None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    if libc.setns(fd, _CLONE_NEWNET) != 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"setns({path}): {os.strerror(err)}")
+                finally:
+                    os.close(fd)
+                out[0] = fn(*args, **kw)
+            except BaseException as e:       # raised in the caller's thread below
+                out[1] = e
+
+        t = threading.Thread(target=run, name=f"netlab-{host}", daemon=True)
+        t.start()
+        t.join()
+        if out[1] is not None:
+            raise out[1]
+        return out[0]
+
     # ---- the Redis Cluster --------------------------------------------------------
     def cluster(self, masters: Sequence[str], replicas: Sequence[str] = (),
                 port: int = 7000, timeout: float = 60.0) -> LabCluster:
@@ -276,6 +308,17 @@ class Lab:
                 raise RuntimeError("netlab: the cluster did not reach cluster_state:ok")
             time.sleep(0.2)
 
+    def masters(self, c: LabCluster) -> list[tuple[str, int]]:
+        """(ip, port) of every master of ``c`` that serves slots now, as a live node
+        sees it."""
+        for h, ip, p in c.nodes:
+            if c.procs[p].poll() is None:
+                out = self._cli(h, ip, p, "cluster", "nodes")
+                if out:
+                    return [(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1]))
+                            for a in masters_serving(out)]
+        raise RuntimeError("netlab: no node of the cluster answers")
+
     def kill_node(self, c: LabCluster, i: int) -> None:
         """SIGKILL node ``i`` of ``c`` (a process this lab started)."""
         p = c.procs[c.nodes[i][2]]
@@ -320,6 +363,19 @@ class Lab:
         if proxy.stdout.readline().strip() != "ready":
             raise RuntimeError(f"netlab: the delaying proxy on {host} did not start")
         h.proxies.append(proxy)
+
+    def undelay(self, host: str) -> None:
+        """Ends ``host``'s delay: its proxies stop (the connections through them close:
+        a client reconnects, directly) and the node addresses leave its ``lo``."""
+        h = self.hosts[host]
+        for p in h.proxies:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+            self.procs.remove(p)
+        h.proxies.clear()
+        for ip in sorted({ip for c in self.clusters for n, ip, _ in c.nodes if n != host}):
+            subprocess.run(["ip", "-n", h.ns, "addr", "del", f"{ip}/32", "dev", "lo"],
+                           capture_output=True, timeout=30)
 
     def partition(self, host: str) -> None:
         """Cuts ``host`` off the switch (its link down): every connection from or to it
@@ -376,13 +432,14 @@ def demo(delays: Sequence[float], blocks: int) -> None:
                 if d:
                     lab.delay("b", d)
                     b("tier", timeout=max(1.0, 20 * d), deadline=30.0)
+                    b("lookup", seed=99, blocks=1)   # the new client reads the map once
                 w = a("prefill", seed=100 + i, blocks=blocks)
                 got = b("lookup", seed=100 + i, blocks=blocks)
                 print(f"B's link +{d * 1e3:.1f} ms each way: A wrote {w['written']} blocks; "
                       f"B loaded {got['tokens']} tokens over the network in "
                       f"{got['seconds'] * 1e3:.1f} ms, K/V equal to A's: {got['equal']}")
                 if d:
-                    break                       # one delay per lab: the proxies stay
+                    lab.undelay("b")
         finally:
             a.close()
             b.close()
@@ -392,14 +449,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/netlab.py")
     ap.add_argument("--smoke", action="store_true",
                     help="three hosts, a cluster, a PING from each host to each node")
-    ap.add_argument("--delay", type=float, default=0.001,
-                    help="the added latency of the demo's second run (seconds, each way)")
+    ap.add_argument("--delay", type=float, nargs="+", default=[0.0002, 0.001, 0.005],
+                    help="the added latency of the demo's next runs (seconds, each way)")
     ap.add_argument("--blocks", type=int, default=128)
     a = ap.parse_args(argv)
     if a.smoke:
         with Lab(["a", "b", "r"]) as lab:
             c = lab.cluster(["a", "b", "r"])
-            lab.delay("b", a.delay)
+            lab.delay("b", a.delay[0])
             for h in lab.hosts:
                 for _, ip, p in c.nodes:
                     t0 = time.monotonic()
@@ -407,7 +464,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     print(f"host {h} -> {ip}:{p}: {out.strip()} in "
                           f"{(time.monotonic() - t0) * 1e3:.0f} ms")
         return 0
-    demo([0.0, a.delay], a.blocks)
+    demo([0.0, *a.delay], a.blocks)
     return 0
 
 

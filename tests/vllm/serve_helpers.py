@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 START_TIMEOUT = 600.0
 _VLLM_SHM = re.compile(r"^/dev/shm/(psm_[0-9a-f]+|sem\.mp-[A-Za-z0-9_]+|vllm_dist_[^/]+)$")
 
@@ -145,7 +147,14 @@ class ServeInstance:
                  kv: Optional[dict] = None, dtype: Optional[str] = None,
                  kv_space_gib: int = 1, env: Optional[dict] = None,
                  events_endpoint: Optional[str] = None, extra_args: tuple = (),
-                 eager: bool = True):
+                 eager: bool = True, prefix: tuple = (),
+                 via: Optional[Callable[..., Any]] = None):
+        # prefix: a command that runs the instance elsewhere (a host of tools/netlab.py:
+        # its own network and /dev/shm); via(fn, *args): runs this client's HTTP calls
+        # where the instance's 127.0.0.1 is (Lab.call); a prefix means its /dev/shm files
+        # are not this machine's to clean up
+        self.via = via or (lambda fn, *a, **k: fn(*a, **k))
+        self.own_shm = bool(prefix)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -166,6 +175,7 @@ class ServeInstance:
                 "endpoint": events_endpoint, "topic": "kv"})]
         if core is not None:
             cmd = ["taskset", "-c", str(core), *cmd]
+        cmd = [*prefix, *cmd]
         e = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
                  PYTHONUNBUFFERED="1")
         if core is not None:
@@ -183,17 +193,17 @@ class ServeInstance:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}: "
                                    f"{self.tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        self._record()
-                        return self
+                if self.via(_ready, self.url + "/v1/models"):
+                    self._record()
+                    return self
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1.0)
         raise TimeoutError(f"vllm serve not ready after {timeout:.0f} s: {self.tail()}")
 
     def _record(self) -> None:
-        self.shm_seen |= mapped_vllm_shm(group_pids(self.proc.pid))
+        if not self.own_shm:
+            self.shm_seen |= mapped_vllm_shm(group_pids(self.proc.pid))
 
     def kill(self) -> None:
         """SIGKILL the whole instance (its process group), as a crash would."""
@@ -255,13 +265,24 @@ class ServeInstance:
         body = {"model": "smol", "messages": messages, "max_tokens": max_tokens,
                 "temperature": 0, **kw}
         t0 = time.perf_counter()
-        r = post_json(self.url + "/v1/chat/completions", body)
+        r = self.via(post_json, self.url + "/v1/chat/completions", body)
         r["seconds"] = time.perf_counter() - t0
         self._record()
         return r
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(get_text(self.url + "/metrics"))
+        return parse_metrics(self.via(get_text, self.url + "/metrics"))
+
+    def tokenize(self, messages: list[dict]) -> list[int]:
+        """The prompt's token ids, as the instance's chat template makes them."""
+        r = self.via(post_json, self.url + "/tokenize", {
+            "model": "smol", "messages": messages, "add_generation_prompt": True})
+        return list(r["tokens"])
+
+
+def _ready(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return bool(r.status == 200)
 
 
 def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
@@ -372,3 +393,46 @@ def assert_same_greedy(got: dict, want: dict, tol: float, min_agree: int = 3,
 def cached_tokens(resp: dict) -> int:
     d = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
     return int(d.get("cached_tokens") or 0)
+
+
+def stored_kv(seg: str, model: str, tokens: list[int]):
+    """(tokens found, K, V) the segment holds for ``tokens`` under the model's salt."""
+    import shmkv
+    from shmkv.integrations.vllm import request_salt
+
+    kv = shmkv.KVCache.attach(seg)
+    try:
+        sid = kv.create_sequence(tokens=tokens + [0], salt=request_salt(model))
+        try:
+            n = kv.seq_len(sid)
+            k, v = kv.gather(sid)
+        finally:
+            kv.free(sid)
+        return n, k.astype(np.float32), v.astype(np.float32), kv.check()
+    finally:
+        kv.close()
+
+
+def check_kv(model: str, tokens: list[int], stored, dtype, tol: float,
+             min_tokens: int = 896) -> list[float]:
+    """Per-layer relative error of the stored K/V against transformers' computation of the
+    same prompt in ``dtype``; asserts ``tol``, and that at least ``min_tokens`` (and every
+    whole vLLM block of the prompt) were stored."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm_helpers import SB, VB
+
+    n, k, v, check = stored
+    assert check == []
+    assert n >= len(tokens) // VB * VB and n % SB == 0 and n >= min_tokens, (n, len(tokens))
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
+    with torch.no_grad():
+        pkv = m(torch.tensor([tokens[:n]]), use_cache=True).past_key_values
+    errs = []
+    for layer in range(k.shape[0]):
+        for got, ref in ((k[layer], pkv.layers[layer].keys[0]),
+                         (v[layer], pkv.layers[layer].values[0])):
+            ref = ref.permute(1, 0, 2).float().numpy()          # [n, H, D]
+            errs.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
+    assert max(errs) < tol, (max(errs), errs)
+    return errs

@@ -34,7 +34,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 from conftest import unique_name  # tests/conftest.py
 from serve_helpers import (
@@ -46,6 +45,8 @@ from serve_helpers import (
     free_port,
     post_json,
 )
+from serve_helpers import check_kv as _check_kv
+from serve_helpers import stored_kv as _stored
 from vllm_helpers import SB, VB, _model_dir
 
 try:
@@ -145,24 +146,6 @@ def _hide_ml_dtypes(tmp) -> str:
     (d / "ml_dtypes" / "__init__.py").write_text(
         'raise ImportError("ml_dtypes is hidden by the test (a venv without it)")\n')
     return str(d)
-
-
-def _stored(seg: str, model: str, tokens: list[int]):
-    """(tokens found, K, V) the segment holds for ``tokens`` under the model's salt."""
-    import shmkv
-    from shmkv.integrations.vllm import request_salt
-
-    kv = shmkv.KVCache.attach(seg)
-    try:
-        sid = kv.create_sequence(tokens=tokens + [0], salt=request_salt(model))
-        try:
-            n = kv.seq_len(sid)
-            k, v = kv.gather(sid)
-        finally:
-            kv.free(sid)
-        return n, k.astype(np.float32), v.astype(np.float32), kv.check()
-    finally:
-        kv.close()
 
 
 def _unlink(seg: str) -> None:
@@ -390,28 +373,6 @@ def test_a_killed_instance_leaves_a_consistent_segment_and_its_blocks_serve_on(b
     want = (len(bf16["t1"]) + bf16["A1"]["usage"]["completion_tokens"] - 1) // VB * VB
     want = min(want, (len(bf16["t1"]) - 1) // SB * SB)
     assert cached_tokens(bf16["A2_1"]) >= want > _common(bf16["t1"], bf16["t2"]) - VB
-
-
-def _check_kv(model: str, tokens: list[int], stored, dtype, tol: float) -> list[float]:
-    """Per-layer relative error of the stored K/V against transformers' computation of the
-    same prompt in ``dtype``; asserts ``tol``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    n, k, v, check = stored
-    assert check == []
-    assert n >= len(tokens) // VB * VB and n % SB == 0 and n >= 7 * VB
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
-    with torch.no_grad():
-        pkv = m(torch.tensor([tokens[:n]]), use_cache=True).past_key_values
-    errs = []
-    for layer in range(k.shape[0]):
-        for got, ref in ((k[layer], pkv.layers[layer].keys[0]),
-                         (v[layer], pkv.layers[layer].values[0])):
-            ref = ref.permute(1, 0, 2).float().numpy()          # [n, H, D]
-            errs.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
-    assert max(errs) < tol, (max(errs), errs)
-    return errs
 
 
 def test_stored_kv_bf16_equals_transformers(bf16):
