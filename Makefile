@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 .PHONY: demo-serve
 .PHONY: bench-serve
 .PHONY: bench-recover
-.PHONY: demo-hosts
+.PHONY: demo-hosts bench-hosts bench-noreuse
 
 all: install
 
@@ -180,6 +180,15 @@ $(VLLM_VENV)/.bench: $(VLLM_DEPS)
 
 bench-serve: test-vllm-deps model $(VLLM_VENV)/.router $(VLLM_VENV)/.bench
 	$(VPY) benchmarks/serve_bench.py $(ARGS)
+
+# vLLM on two hosts (network namespaces, tools/netlab.py) through the Redis Cluster tier:
+# B's first token for A's prefixes under added latency, multi-round QA across the hosts
+bench-hosts: test-vllm-deps model redis $(VLLM_VENV)/.bench
+	$(VPY) benchmarks/hosts_bench.py $(ARGS)
+
+# the connector's cost when nothing is shared: paired, interleaved runs with and without
+bench-noreuse: test-vllm-deps model
+	$(VPY) benchmarks/noreuse_bench.py $(ARGS)
 
 # vLLM's CPU paged attention beside shmkv's kernel, same K/V, outputs checked first (issue 21).
 bench-attn-vllm: test-vllm-deps

@@ -679,14 +679,16 @@ def machine() -> dict:
                 pass
     except Exception:
         pass
-    r = subprocess.run([str(ROUTER), "--version"], capture_output=True, text=True)
-    vers["vllm-router"] = (r.stdout or r.stderr).strip().splitlines()[-1] if (
-        r.stdout or r.stderr) else "?"
-    rp = ROUTER.parent / "python"
-    r = subprocess.run([str(rp), "-c", "import importlib.metadata as m;"
-                        "print(m.version('vllm-router'))"], capture_output=True, text=True)
-    if r.returncode == 0:
-        vers["vllm-router"] = r.stdout.strip()
+    if ROUTER.exists():             # (benchmarks/hosts_bench.py runs without one)
+        r = subprocess.run([str(ROUTER), "--version"], capture_output=True, text=True)
+        vers["vllm-router"] = (r.stdout or r.stderr).strip().splitlines()[-1] if (
+            r.stdout or r.stderr) else "?"
+        rp = ROUTER.parent / "python"
+        r = subprocess.run([str(rp), "-c", "import importlib.metadata as m;"
+                            "print(m.version('vllm-router'))"], capture_output=True,
+                           text=True)
+        if r.returncode == 0:
+            vers["vllm-router"] = r.stdout.strip()
     info["versions"] = vers
     return info
 

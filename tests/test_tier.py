@@ -742,3 +742,24 @@ def _wait_port(port, proc, timeout=10.0):
             pass
         assert proc.poll() is None and time.monotonic() - t0 < timeout, "redis-server"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"deadline": 0}, "deadline: expected > 0"),
+    ({"deadline": -1.0}, "deadline: expected > 0"),
+    ({"timeout": 0}, "expected > 0"),
+    ({"connect_timeout": -0.1}, "expected > 0"),
+    ({"max_window": 0}, "expected >= 1"),
+])
+def test_bad_tier_arguments_are_value_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        shmkv.RedisTier("redis://127.0.0.1:7000", **kw)
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:7000", "redis://", "redis://127.0.0.1:7000,", "redis://h1:1,:2",
+    "redis://h1:1,h2:99999", "redis://h1:1,h2:port",
+])
+def test_malformed_seed_urls_are_value_errors_naming_the_url(url):
+    with pytest.raises(ValueError, match="expected redis://host:port"):
+        shmkv.RedisTier(url)

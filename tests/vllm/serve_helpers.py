@@ -280,6 +280,47 @@ class ServeInstance:
         return list(r["tokens"])
 
 
+def stream_completion(url: str, path: str, body: dict, timeout: float = 600.0) -> dict:
+    """One streamed OpenAI request (``path``: /v1/chat/completions or /v1/completions):
+    ``ttft`` (seconds to the first chunk that carries text), ``seconds`` (to the end),
+    ``text``, ``prompt`` / ``completion`` / ``cached`` tokens (the final usage chunk)."""
+    import http.client
+
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}})
+    c = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        t0 = time.perf_counter()
+        c.request("POST", path, payload, {"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
+        ttft: Optional[float] = None
+        out: list[str] = []
+        usage: dict = {}
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            ev = json.loads(line[5:])
+            for ch in ev.get("choices") or []:
+                piece = ch.get("text") or (ch.get("delta") or {}).get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    out.append(piece)
+            if ev.get("usage"):
+                usage = ev["usage"]
+        total = time.perf_counter() - t0
+    finally:
+        c.close()
+    det = usage.get("prompt_tokens_details") or {}
+    return {"ttft": ttft if ttft is not None else total, "seconds": total,
+            "text": "".join(out), "prompt": int(usage.get("prompt_tokens", 0)),
+            "completion": int(usage.get("completion_tokens", 0)),
+            "cached": int(det.get("cached_tokens") or 0)}
+
+
 def _ready(url: str) -> bool:
     with urllib.request.urlopen(url, timeout=5) as r:
         return bool(r.status == 200)
