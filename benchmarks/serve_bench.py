@@ -25,6 +25,9 @@ what an earlier one left in the instances or the segment):
   working set (system prompts + histories) is larger than one instance's own KV cache
   (``--num-gpu-blocks-override``: the instances' caches are sized small for it) and fits
   the segment.
+- ``qa``: multi-round QA (LMCache's workload, scaled to this machine): users x rounds,
+  one shared system prompt, each round a question about a passage of the user's own,
+  the fleet's answers kept in the history (built like ``sessions``).
 - ``prefix``: ``--dataset-name prefix_repetition`` (shared prefixes).
 - ``random``: ``--dataset-name random`` (no reuse): the connector's overhead.
 
@@ -500,6 +503,14 @@ class WL:
     random_in: int
     random_out: int
     random_concurrency: int     # all requests at once, this many in flight: capacity
+    # multi-round QA (LMCache's benchmark, scaled to 2 cores): users x rounds, one shared
+    # system prompt, each round a question with a passage, the fleet's answer kept
+    qa_users: int = 10
+    qa_rounds: int = 4
+    qa_system_tokens: int = 1000
+    qa_question_tokens: int = 150
+    qa_answer_tokens: int = 48
+    qa_rate: float = 1.0
 
 
 FULL = WL(sessions=16, systems=8, system_tokens=700, turns=3, answer_tokens=48, session_rate=1.5,
@@ -507,7 +518,9 @@ FULL = WL(sessions=16, systems=8, system_tokens=700, turns=3, answer_tokens=48, 
           prefix_rate=2.0, random_prompts=24, random_in=256, random_out=32, random_concurrency=4)
 QUICK = WL(sessions=8, systems=2, system_tokens=600, turns=2, answer_tokens=32, session_rate=1.5,
            prefix_prompts=12, prefix_num=2, prefix_len=512, prefix_suffix=32, prefix_out=16,
-           prefix_rate=2.0, random_prompts=8, random_in=192, random_out=16, random_concurrency=4)
+           prefix_rate=2.0, random_prompts=8, random_in=192, random_out=16, random_concurrency=4,
+           qa_users=4, qa_rounds=2, qa_system_tokens=600, qa_question_tokens=100,
+           qa_answer_tokens=24)
 
 
 def common_argv(router_url: str, model: str, seed: int) -> list[str]:
@@ -520,35 +533,61 @@ def common_argv(router_url: str, model: str, seed: int) -> list[str]:
 
 def run_sessions(bench: BenchClient, texts: Texts, wl: WL, router_url: str, model: str,
                  tmp: Path, tag: str, seed: int) -> list[dict]:
-    """Multi-turn chats: one `vllm bench serve` per turn over a custom JSONL built from the
-    previous turn's generated answers."""
+    """Multi-turn chats over a few system prompts, short questions."""
     rng = random.Random(seed)
-    nonce = uuid.uuid4().hex[:8]
-    systems = []
-    for s in range(wl.systems):
-        body = texts.passage(rng.randrange(len(texts.words)), wl.system_tokens)
-        systems.append(f"[run {nonce} doc {s}] You are a careful lawyer. The document:\n{body}")
-    chats = [[{"role": "system", "content": systems[k % wl.systems]}] for k in range(wl.sessions)]
     firstq = [rng.randrange(len(QUESTIONS)) for _ in range(wl.sessions)]
+    return run_chats(bench, texts, router_url, model, tmp, f"sessions-{tag}", seed, rng,
+                     systems=wl.systems, system_tokens=wl.system_tokens,
+                     users=wl.sessions, turns=wl.turns, answer=wl.answer_tokens,
+                     rate=wl.session_rate,
+                     question=lambda k, t: QUESTIONS[(firstq[k] + t) % len(QUESTIONS)])
+
+
+def run_qa(bench: BenchClient, texts: Texts, wl: WL, router_url: str, model: str,
+           tmp: Path, tag: str, seed: int) -> list[dict]:
+    """Multi-round QA (LMCache's workload): one shared system prompt; each user's round a
+    question about a passage of its own (the history grows by it and the answer)."""
+    rng = random.Random(seed)
+    start = [rng.randrange(len(texts.words)) for _ in range(wl.qa_users)]
+
+    def question(k: int, t: int) -> str:
+        p = texts.passage(start[k] + 400 * t, wl.qa_question_tokens)
+        return f"User {k}, round {t}. About this passage:\n{p}\n{QUESTIONS[(k + t) % 16]}"
+    return run_chats(bench, texts, router_url, model, tmp, f"qa-{tag}", seed, rng,
+                     systems=1, system_tokens=wl.qa_system_tokens, users=wl.qa_users,
+                     turns=wl.qa_rounds, answer=wl.qa_answer_tokens, rate=wl.qa_rate,
+                     question=question)
+
+
+def run_chats(bench: BenchClient, texts: Texts, router_url: str, model: str, tmp: Path,
+              tag: str, seed: int, rng: random.Random, *, systems: int, system_tokens: int,
+              users: int, turns: int, answer: int, rate: float, question) -> list[dict]:
+    """Multi-turn chats: one `vllm bench serve` per turn over a custom JSONL built from the
+    previous turn's generated answers (users shuffled per turn)."""
+    nonce = uuid.uuid4().hex[:8]
+    sys_texts = []
+    for s in range(systems):
+        body = texts.passage(rng.randrange(len(texts.words)), system_tokens)
+        sys_texts.append(f"[run {nonce} doc {s}] You are a careful lawyer. The document:\n{body}")
+    chats = [[{"role": "system", "content": sys_texts[k % systems]}] for k in range(users)]
     results = []
-    for turn in range(wl.turns):
+    for turn in range(turns):
         for k, c in enumerate(chats):
-            c.append({"role": "user", "content": QUESTIONS[(firstq[k] + turn) % len(QUESTIONS)]})
-        order = list(range(wl.sessions))
+            c.append({"role": "user", "content": question(k, turn)})
+        order = list(range(users))
         rng.shuffle(order)
-        path = tmp / f"sessions-{tag}-t{turn}.jsonl"
+        path = tmp / f"{tag}-t{turn}.jsonl"
         with open(path, "w") as f:
             for k in order:
                 f.write(json.dumps({"prompt": texts.chat(chats[k])}) + "\n")
         argv = common_argv(router_url, model, seed + turn) + [
             "--dataset-name", "custom", "--dataset-path", str(path), "--skip-chat-template",
-            "--disable-shuffle", "--num-prompts", str(wl.sessions),
-            "--custom-output-len", str(wl.answer_tokens),
-            "--request-rate", str(wl.session_rate)]
+            "--disable-shuffle", "--num-prompts", str(users),
+            "--custom-output-len", str(answer), "--request-rate", str(rate)]
         res = bench.run(argv)
         gen = res.get("generated_texts") or []
-        if len(gen) != wl.sessions:
-            raise RuntimeError(f"turn {turn}: {len(gen)} answers for {wl.sessions} sessions")
+        if len(gen) != users:
+            raise RuntimeError(f"turn {turn}: {len(gen)} answers for {users} users")
         for pos, k in enumerate(order):
             chats[k].append({"role": "assistant", "content": gen[pos] or ""})
         results.append(res)
@@ -744,6 +783,9 @@ def run_set(conn: bool, blocks: list[tuple[int, list[str]]], model: str, tmp: Pa
                     if wname == "sessions":
                         parts = run_sessions(bench, texts, wl, rurl, model, tmp,
                                              f"{tag}-{pol}", seed)
+                    elif wname == "qa":
+                        parts = run_qa(bench, texts, wl, rurl, model, tmp, f"{tag}-{pol}",
+                                       seed)
                     elif wname == "prefix":
                         parts = run_prefix(bench, wl, rurl, model, seed)
                     else:
@@ -910,7 +952,7 @@ def main() -> None:
                          "(--num-gpu-blocks-override)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--segment-gib", type=float, default=1.0)
-    ap.add_argument("--workloads", default="sessions,prefix,random")
+    ap.add_argument("--workloads", default="sessions,qa,prefix,random")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--no-scale-out", dest="scale_out", action="store_false",
                     help="start the engines without --enable-scale-out")
@@ -1004,6 +1046,12 @@ def med(rows: list[dict], cfg: str, wname: str, key: str) -> float:
 
 def targets(rows: list[dict]) -> list[str]:
     out = []
+    q_rr_shm, q_ca = med(rows, "rr+shmkv", "qa", "cached_share"), med(rows, "ca", "qa",
+                                                                     "cached_share")
+    if q_rr_shm == q_rr_shm and q_ca == q_ca:
+        out.append(f"- qa (multi-round QA), cached share of round-robin + shmkv >= "
+                   f"cache-aware without: {q_rr_shm:.1%} vs {q_ca:.1%}: "
+                   f"**{'met' if q_rr_shm >= q_ca else 'NOT met'}**")
     a = "sessions"
     cs_rr_shm, cs_ca = med(rows, "rr+shmkv", a, "cached_share"), med(rows, "ca", a, "cached_share")
     t_rr_shm, t_rr = med(rows, "rr+shmkv", a, "ttft_p50"), med(rows, "rr", a, "ttft_p50")
@@ -1080,6 +1128,12 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
          "per turn. Working set: the system prompts plus every session's history (~"
          f"{wl.systems * wl.system_tokens + wl.sessions * wl.turns * (wl.answer_tokens + 20)}"
          f" tokens at the last turn) against {args.instance_blocks * 128} tokens per instance.",
+         f"- **qa**: multi-round QA (LMCache's workload, scaled to this machine): "
+         f"{wl.qa_users} users x {wl.qa_rounds} rounds, one shared system prompt of ~"
+         f"{wl.qa_system_tokens} tokens, each round a question about a ~"
+         f"{wl.qa_question_tokens}-token passage of the user's own, {wl.qa_answer_tokens}-"
+         "token answers kept in the history (one `vllm bench serve --dataset-name custom` "
+         f"per round at {wl.qa_rate} req/s, users shuffled per round).",
          f"- **prefix**: `--dataset-name prefix_repetition`, {wl.prefix_num} prefixes of "
          f"{wl.prefix_len} tokens, suffix {wl.prefix_suffix}, {wl.prefix_out} out, "
          f"{wl.prefix_prompts} requests at {wl.prefix_rate}/s.",
@@ -1181,7 +1235,8 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ws = [w for w in ("sessions", "prefix", "random") if any(r["workload"] == w for r in rows)]
+    ws = [w for w in ("sessions", "qa", "prefix", "random")
+          if any(r["workload"] == w for r in rows)]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     colors = {"rr": "#999999", "rr+shmkv": "#1f77b4", "ca": "#ff7f0e", "ca+shmkv": "#2ca02c"}
     for ax, (key, label) in zip(axes, [("ttft_p50", "TTFT p50 (ms)"),
