@@ -66,6 +66,7 @@ HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts_worker.
 SEG = "shmkv-hosts"            # each host's own /dev/shm: one name, two segments
 TIER_WAIT = 1.0                # the longest a request waits for its tier lookup (seconds)
 TIER_TIMEOUT = 0.5             # one tier call's socket bound
+QUEUE_SLACK = 2.0              # scheduler steps around a lookup, on a busy machine
 BACKOFF_MAX = 5.0              # RedisTier's breaker: a failed tier is asked again <= 5 s on
 
 
@@ -143,6 +144,26 @@ class Hosts:
         assert r.returncode == 0, r.stderr[-3000:]
         z = np.load(out)
         return int(z["n"]), z["k"], z["v"], json.loads(str(z["check"]))
+
+    def queued(self, inst: ServeInstance, fn):
+        """``fn()`` and the seconds the one request it sends spent waiting to be scheduled
+        (vLLM's own ``request_queue_time``: a request held back for its tier lookup waits
+        there).  What the bound on the lookup is about, whatever the compute takes on a
+        busy machine."""
+        def read() -> tuple[float, float]:
+            m = inst.metrics()
+            return (m.get("vllm:request_queue_time_seconds_count", 0.0),
+                    m.get("vllm:request_queue_time_seconds_sum", 0.0))
+        n0, s0 = read()
+        out = fn()
+        t0 = time.monotonic()
+        while True:                       # recorded as the answer goes out: may lag it
+            n1, s1 = read()
+            if n1 >= n0 + 1:
+                assert n1 == n0 + 1, (n0, n1)
+                return out, s1 - s0
+            assert time.monotonic() - t0 < 10.0, "no queue time recorded for the request"
+            time.sleep(0.1)
 
     def publish(self, messages: list[dict]) -> tuple[list[int], set]:
         """A serves the chat (one token): its prompt's ids and the tier keys it wrote (its
@@ -235,13 +256,20 @@ def _new_chats(tag: str, n: int, chars: int = 600) -> list[list[dict]]:
                   "Say one thing about it.") for i in range(n)]
 
 
-def _serve_all(inst: ServeInstance, chats: list, out: list) -> None:
+def _serve_all(inst: ServeInstance, chats: list, out: list,
+               h: Optional[Hosts] = None) -> None:
+    """Sends the chats one after the other: ("ok", completion tokens, seconds, seconds
+    queued or None) each, or ("failed", why, 0.0, None).  With ``h`` (no other request to
+    ``inst`` meanwhile), each one's queue time is read from the engine's metrics."""
     for ch in chats:
         try:
-            r = inst.chat(ch, max_tokens=8)
-            out.append(("ok", r["usage"]["completion_tokens"], r["seconds"]))
+            if h is None:
+                r, q = inst.chat(ch, max_tokens=8), None
+            else:
+                r, q = h.queued(inst, functools.partial(inst.chat, ch, max_tokens=8))
+            out.append(("ok", r["usage"]["completion_tokens"], r["seconds"], q))
         except Exception as e:            # the test fails on it, below
-            out.append(("failed", repr(e), 0.0))
+            out.append(("failed", repr(e), 0.0, None))
 
 
 def _hit_resumes(h: Hosts, tag: str) -> dict:
@@ -281,15 +309,17 @@ def test_a_host_cut_off_the_network_serves_on_and_hits_again_once_healed(hosts):
     try:
         chats = _new_chats("Cut off", 2)
         got: list = []
-        _serve_all(h.B, chats, got)
+        _serve_all(h.B, chats, got, h)
     finally:
         h.lab.heal("b")
     assert [g[0] for g in got] == ["ok", "ok"], got
-    # each waited at most tier_wait for its lookup, then computed
+    # each waited at most tier_wait for its lookup (then computed): its time in vLLM's
+    # queue, not its wall clock, which a busy machine stretches however the cache does
     for g in got:
-        assert g[2] < ref["seconds"] + TIER_WAIT + 5.0, (got, ref["seconds"])
+        assert g[3] < TIER_WAIT + QUEUE_SLACK, got
     time.sleep(BACKOFF_MAX + 1.0)             # B's breakers try the tier again
     h.figures["partition"] = {"requests_s": [round(g[2], 3) for g in got],
+                              "queued_s": [round(g[3], 3) for g in got],
                               "ref_s": round(ref["seconds"], 3),
                               "after": _hit_resumes(h, "After the partition")}
 
@@ -301,15 +331,16 @@ def test_a_slow_link_costs_a_request_its_tier_wait_not_the_engine(hosts):
     ref = h.B.chat(chat, max_tokens=1, cache_salt="reference-slow")    # computed
     h.lab.delay("b", 2.0)
     try:
-        r = h.B.chat(chat, max_tokens=1)
+        r, queued = h.queued(h.B, lambda: h.B.chat(chat, max_tokens=1))
     finally:
         h.lab.undelay("b")
     # its lookup (round trips of 4 s against a 0.5 s socket bound) is given up on after
     # tier_wait: the request computes, it does not wait for the network
-    assert r["seconds"] < ref["seconds"] + TIER_WAIT + 5.0, (r["seconds"], ref["seconds"])
+    assert queued < TIER_WAIT + QUEUE_SLACK, (queued, r["seconds"], ref["seconds"])
+    assert cached_tokens(r) == 0, r["usage"]
     time.sleep(BACKOFF_MAX + 1.0)
     h.figures["slow"] = {"request_s": round(r["seconds"], 3), "cached": cached_tokens(r),
-                         "ref_s": round(ref["seconds"], 3),
+                         "queued_s": round(queued, 3), "ref_s": round(ref["seconds"], 3),
                          "after": _hit_resumes(h, "After the slow link")}
 
 
