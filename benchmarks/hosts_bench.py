@@ -327,7 +327,7 @@ def report(out, info, started, l0, l1, b0, b1, total, qa_args) -> str:
     one = [r for r in out["ttft"] if r["delay_ms"] == 1.0]
     if one:
         ok = one[0]["ratio"] <= 0.3
-        L += ["", f"Target (issue): B's TTFT for A's prefixes <= 0.3x recompute at 1 ms: "
+        L += ["", f"Target: B's TTFT for A's prefixes <= 0.3x recompute at 1 ms: "
               f"{one[0]['ratio']:.2f}x: **{'met' if ok else 'NOT met'}**."]
     q = qa_args
     L += ["", "## Multi-round QA across two hosts", "",

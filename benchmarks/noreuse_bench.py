@@ -192,7 +192,7 @@ def report(rows, info, started, b0, b1, total, a) -> str:
           f"(quartiles {qf[0]:.3f}-{qf[2]:.3f}): {over_f:+.1%}. Pairs where the instance with "
           f"the connector was faster: {sum(t > 1 for t in thr)} of {len(thr)}. The "
           f"connector's own clock (save + load work per step): {clock:.2%} of X's run time.",
-          "", f"Target (issue): <= 2% on throughput and TTFT: throughput "
+          "", f"Target: <= 2% on throughput and TTFT: throughput "
           f"**{'met' if over_t <= 0.02 else 'NOT met'}**, TTFT "
           f"**{'met' if over_f <= 0.02 else 'NOT met'}** (medians of the per-pair ratios).", ""]
     return "\n".join(L)

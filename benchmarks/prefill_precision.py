@@ -1,11 +1,11 @@
-"""Prefill error and time per path (issue 21, seventh pass): every pool dtype, a float32 q
-or one exactly bf16 (a bf16 model's), K scaled by each "spread" (the scores' standard
-deviation), the AVX-512 FMA item against the AMX tiles (where the CPU has them) and,
-with --base, another build's tiles; all interleaved in one process.
+"""Prefill error and time per path (RESULTS_attention_amx.md, seventh pass): every pool
+dtype, a float32 q or one exactly bf16 (a bf16 model's), K scaled by each "spread" (the
+scores' standard deviation), the AVX-512 FMA item against the AMX tiles (where the CPU has
+them) and, with --base, another build's tiles; all interleaved in one process.
 
 Errors are against float64 over every 37th row and every head, relative to
 max(1, |reference|) as in the tests (bound 2e-5).  Times are medians of --rounds calls.
-Spread 16 is where denormal weights used to cost 2.5-4x (RESULTS_attention_21.md).
+Spread 16 is where denormal weights used to cost 2.5-4x (RESULTS_attention_amx.md).
 
     .venv/bin/python benchmarks/prefill_precision.py [--dtypes ...] [--spreads 1,8,16]
                                                      [--base OTHER/_attention*.so]

@@ -1,9 +1,10 @@
 """Short prefills -- a prefix hit's tail, a short prompt, a few chunks side by side -- on 2
 threads, against gather + torch SDPA on the stored dtype and, with --base, another build's
-kernel (its ``_attention*.so``), all interleaved call by call in one process (issue 21,
-eighth pass: how the work items are cut).  One Llama-3-8B layer (32 q heads over 8 kv
-heads, head_dim 128); q exactly in the pool's dtype, as a model in that dtype hands it
-over.  The outputs of this build and the base are checked against each other (2e-5).
+kernel (its ``_attention*.so``), all interleaved call by call in one process
+(RESULTS_attention_amx.md, eighth pass: how the work items are cut).  One Llama-3-8B layer
+(32 q heads over 8 kv heads, head_dim 128); q exactly in the pool's dtype, as a model in
+that dtype hands it over.  The outputs of this build and the base are checked against each
+other (2e-5).
 
     .venv/bin/python benchmarks/prefill_shapes.py [--dtypes bfloat16,float16,float32]
                                                   [--isa avx512] [--base OLD/_attention*.so]

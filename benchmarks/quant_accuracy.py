@@ -1,4 +1,4 @@
-"""Quantized pools (issues 14, 19): quality on real text with the real model.
+"""Quantized pools: quality on real text with the real model.
 
     python benchmarks/quant_accuracy.py [--quick] [--tokens N]
         # -> benchmarks/out/quant_accuracy.json; the accuracy section of RESULTS_quant.md
@@ -21,8 +21,8 @@ teacher forcing, in 128-token chunks, once per KV store:
 
 Reported per store: perplexity (exp of the mean negative log-likelihood of tokens 2..N) and
 its change against the baseline, top-1 agreement (positions whose argmax equals the
-baseline's), and the mean |log p difference| per token.  Targets (issue 19): int8 <= +0.5%
-perplexity, float8 <= +2.5%; the kernel's opt-in ``precision="bf16"`` (issue 35) within +0.1%
+baseline's), and the mean |log p difference| per token.  Targets: int8 <= +0.5%
+perplexity, float8 <= +2.5%; the kernel's opt-in ``precision="bf16"`` within +0.1%
 of the same pool's default.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ STORES = (("float32", "float32", None, 1.0),
           ("float8_e4m3, amax/448", "float8_e4m3", "amax", 1.0),
           ("float8_e4m3, 2 amax/448", "float8_e4m3", "amax", 2.0),
           ("float8_e4m3, mse", "float8_e4m3", "mse", 1.0),
-          # the kernel's opt-in reduced precision (issue 35): worth offering only if it
+          # the kernel's opt-in reduced precision: worth offering only if it
           # keeps perplexity within +0.1% of the same pool's default
           ("float32, precision bf16", "float32", None, 1.0, "bf16"),
           ("bfloat16, precision bf16", "bfloat16", None, 1.0, "bf16"),

@@ -1,4 +1,4 @@
-"""Quantized pools (issue 14): decode attention speed and capacity, int8 / float8_e4m3 vs
+"""Quantized pools: decode attention speed and capacity, int8 / float8_e4m3 vs
 float16, measured in the same run.
 
     python benchmarks/quant_bench.py            # 4k and 32k contexts -> benchmarks/out/quant_speed.json

@@ -1,4 +1,4 @@
-"""A vLLM fleet on one host, on shmkv (issue 32, item 4): the benchmark users would run.
+"""A vLLM fleet on one host, on shmkv: the benchmark users would run.
 
     make bench-serve                                   # full run (~15 min): RESULTS_serve.md
     make bench-serve ARGS="--kill-test --rounds 3"     # as committed (~25 min)
@@ -849,7 +849,7 @@ def warm_up(insts: list[Instance], texts: Texts) -> None:
 
 
 def kill_test(insts, segment, model, tmp, args, bench, texts, wl, notes, tag) -> None:
-    """Item 5: under load, SIGKILL instance 1's process group; the router's other
+    """Under load, SIGKILL instance 1's process group; the router's other
     instance serves on; `check()` of the segment; instance 1 restarted: its first requests
     hit what the dead one published."""
     import threading
@@ -961,7 +961,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="let vLLM torch.compile the model (default: --enforce-eager)")
     ap.add_argument("--kill-test", action="store_true",
-                    help="item 5: SIGKILL an instance under load (last round, shmkv set)")
+                    help="SIGKILL an instance under load (last round, shmkv set)")
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--out", default=None, help="Markdown (default RESULTS_serve.md; "
                     "quick: out/RESULTS_serve.md)")
@@ -1171,7 +1171,7 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
                      f"{med(rows, cfg, w, 'external_share'):.1%} | "
                      f"{'/'.join(f'{x:.0f}' for x in per)} | {seg or '-'} | "
                      f"{sum(r['failed'] for r in rs)} | {len(rs)} |")
-    L += ["", "## Targets (issue 32)", ""] + targets(rows)
+    L += ["", "## Targets", ""] + targets(rows)
     L += ["", "## Per run", "",
           "| round | workload | config | req/s | TTFT p50 ms | cached | connector loaded / saved "
           "tokens | load1 |",
@@ -1191,7 +1191,7 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
                  f"{r['ttft_p50']:.0f} | {r['cached_share']:.1%} | {ls} | {r['load1']:.2f} |")
     for n in notes:
         if n.startswith("kill test: "):
-            L += ["", "## An instance SIGKILLed under load (issue 32, item 5)", ""]
+            L += ["", "## An instance SIGKILLed under load", ""]
             L += kill_section(json.loads(n[len("kill test: "):]))
     rest = [n for n in notes if not n.startswith("kill test: ")]
     if rest:

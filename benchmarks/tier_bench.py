@@ -1,4 +1,4 @@
-"""The remote tier (issue 15): shmkv's Redis Cluster tier against an LMCache-style peer.
+"""The remote tier: shmkv's Redis Cluster tier against an LMCache-style peer.
 
     python benchmarks/tier_bench.py            # full: benchmarks/RESULTS_tier.md
     python benchmarks/tier_bench.py --quick    # smaller, into benchmarks/out/

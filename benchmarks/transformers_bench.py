@@ -23,7 +23,7 @@ the same run as its baseline:
   reused (published as they were generated, or -- while ``ShmkvCache`` does not publish
   generated tokens -- published explicitly through the core calls ``create_sequence(tokens=)``
   / ``reserve(tokens=)`` / ``write`` / ``commit``; the JSON and the table say which) against
-  the answer recomputed (only turn 1's prompt published, as before issue 19).
+  the answer recomputed (only turn 1's prompt published, as when generated tokens were not published).
 - **processes**: N spawned workers generate from one shared system prompt plus their own
   suffix: on one segment (the system prompt published once beforehand) against N
   processes each with its own DynamicCache. KV memory in use when all have finished,
@@ -555,7 +555,7 @@ def render(meta, data):
             "Turn 1 (system prompt + question) answered greedily; turn 2 = turn 1 + the "
             "answer's tokens + a new question. *Answer reused*: the answer's full blocks "
             "published when turn 1 generated them; *recomputed*: only turn 1's prompt "
-            "published (before issue 19 every chat's turn 2 was this).", "",
+            "published (what every chat's turn 2 was before ShmkvCache published generated tokens).", "",
             "| turn 1 | answer | turn 2 | hit reused / recomputed | answer reused | "
             "answer recomputed | ratio | published by |",
             "|---|---|---|---|---|---|---|---|"]

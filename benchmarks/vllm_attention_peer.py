@@ -1,4 +1,4 @@
-"""vLLM's CPU paged attention as a peer of shmkv's kernel (issue 21); run in the vLLM venv.
+"""vLLM's CPU paged attention as a peer of shmkv's kernel; run in the vLLM venv.
 
     make bench-attn-vllm                                   # .venv-vllm/bin/python this file
     .venv-vllm/bin/python benchmarks/vllm_attention_peer.py --quick

@@ -1,4 +1,4 @@
-"""vLLM on shmkv (issue 20): what ShmkvConnector costs and saves.  Run with the vLLM venv:
+"""vLLM on shmkv: what ShmkvConnector costs and saves.  Run with the vLLM venv:
 
     .venv-vllm/bin/python benchmarks/vllm_bench.py            # copies, engines, instances
     .venv-vllm/bin/python benchmarks/vllm_bench.py --copies   # the copy micro-benchmark only

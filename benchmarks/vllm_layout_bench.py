@@ -1,4 +1,4 @@
-"""The vLLM connector's copies per KV layout (issue 33), against memcpy: run with the vLLM
+"""The vLLM connector's copies per KV layout, against memcpy: run with the vLLM
 venv, ``.venv-vllm/bin/python benchmarks/vllm_layout_bench.py [--tokens 1024 4096]``.
 
 For each configuration the connector serves -- vLLM's ``vec`` layout in float32 and

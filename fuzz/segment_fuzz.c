@@ -1,6 +1,6 @@
 /*
  * fuzz/segment_fuzz.c -- libFuzzer harness over the C code that reads an untrusted
- * segment (issue 22): bind (attach's validation), the readers that trust nothing
+ * segment: bind (attach's validation), the readers that trust nothing
  * (counts, sequence validation, each valid sequence's token ids, rows and slots, batch
  * block tables, prefix-index lookups, the event ring and its reader), the recovery pass,
  * then the readers again, an allocation and a process registration on what recovery

@@ -5,7 +5,7 @@ kernels/attention.c).
 It checks the arguments, takes the lock of every sequence of the batch (the rule of
 ``gather``: a sequence another process is appending to is read as it was when its lock
 was taken), releases the GIL around the whole kernel call, and translates failures into
-the exceptions of shared/API.md.  ``KVCache.attention`` calls :func:`attention`.
+the exceptions of the API contract (docs/reference/index.md).  ``KVCache.attention`` calls :func:`attention`.
 """
 import math
 import operator
@@ -131,7 +131,7 @@ def _force_isa(name):
 
 def _force_rows(on):
     """Test and benchmark hook: True runs prefill rows on the row item only (the kernel
-    before the GEMM-shaped item, issue 21); False (the default) takes the GEMM item where
+    before the GEMM-shaped item existed); False (the default) takes the GEMM item where
     it applies: a vector ISA, several rows, at least 32 query vectors per kv head, and no
     AMX tile path for the pool."""
     shmkv_attn_force_rows(1 if on else 0)

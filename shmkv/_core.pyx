@@ -73,7 +73,7 @@ _SEGMENT_REASONS = {SHMKV_EBADMAGIC: "bad_magic", SHMKV_EVERSION: "incompatible"
 
 
 cdef int raise_status(int st, str what) except -1:
-    """The one translator: a kernel status -> the exception of shared/API.md."""
+    """The one translator: a kernel status -> the exception of the API contract."""
     if st in _SEGMENT_REASONS:
         raise SegmentError(f"{what}: {_STATUS[st][1]}", reason=_SEGMENT_REASONS[st])
     if st == SHMKV_ESYS:

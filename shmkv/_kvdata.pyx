@@ -7,7 +7,7 @@ DataOps (the last link of the method chain; KVCache subclasses it): append, rese
 write, gather, the zero-copy pool views key_cache / value_cache, and growing a sequence
 (new tail blocks, copy-on-write of a shared partial block) for append and reserve.
 
-Quantized pools (int8, float8_e4m3; issue 14): the codecs, scale views and the
+Quantized pools (int8, float8_e4m3): the codecs, scale views and the
 quantized gather are the link below (_quant.QuantOps); append and write call its
 quantizer before any lock is taken.
 

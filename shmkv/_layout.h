@@ -30,7 +30,7 @@
  *                  | K, layer 1 ...        (each layer page aligned)            |
  *   off_vpool      | V, layer 0 ...                                             |
  *                  +------------------------------------------------------------+
- *   -- quantized pools only (dtype int8 / float8_e4m3; issue 14); 0 otherwise: --
+ *   -- quantized pools only (dtype int8 / float8_e4m3); 0 otherwise: ---------
  *   off_kscale     | float32 K scales, layer 0 [num_blocks][block_size][heads]   |
  *                  |   (int8 only: one per token and kv head; page aligned      |
  *                  |   per layer, scale_stride apart)                           |
@@ -216,7 +216,7 @@ typedef struct {
     uint64_t off_events;       /* the event ring (shmkv_event_ring_t + records); 0 if off */
     uint64_t event_record_bytes; /* one record: shmkv_event_t + block_size token ids,
                                     line rounded; 0 if off */
-    /* --- quantized pools (issue 14); every field 0 for float pools ---------------- */
+    /* --- quantized pools; every field 0 for float pools --------------------------- */
     uint64_t scale_bytes;      /* int8: one token, one layer, K only: heads*4 bytes of
                                   float32 scales; 0 otherwise */
     uint64_t scale_stride;     /* int8: distance between layers in a scale region (page
@@ -288,7 +288,7 @@ typedef struct {
     uint32_t flags;            /* SHMKV_BLOCK_HASHED: hash[] is valid and in the index */
     uint32_t lru_prev;         /* CACHED blocks only: LRU neighbours, or NIL */
     uint32_t lru_next;
-    uint64_t hash[2];          /* 128-bit block hash (issue: prefix cache) */
+    uint64_t hash[2];          /* 128-bit block hash (the prefix cache) */
     uint64_t last_access;      /* lru_clock when last released */
     uint32_t num_tokens;       /* tokens the hash covers (== block_size when hashed) */
     uint32_t _pad;
@@ -467,7 +467,7 @@ static inline uint64_t shmkv_abi_fingerprint(void) {
     h = shmkv_mix(h, sizeof(shmkv_event_t));
     h = shmkv_mix(h, offsetof(shmkv_event_t, time_ns));
     h = shmkv_mix(h, offsetof(shmkv_config_t, event_capacity));
-    h = shmkv_mix(h, offsetof(shmkv_layout_t, scale_bytes));     /* issue 14 */
+    h = shmkv_mix(h, offsetof(shmkv_layout_t, scale_bytes));     /* quantized pools */
     h = shmkv_mix(h, offsetof(shmkv_layout_t, off_hscale));
     /* the sequence flags a peer must honour: a build without truncate would write into a
      * block SHMKV_SEQF_COW_TAIL says others still read (same layout, other meaning) */
@@ -580,7 +580,7 @@ static inline int shmkv_layout_compute(const shmkv_config_t *c, shmkv_layout_t *
     }
     out->off_kpool = o;    o += pool;
     out->off_vpool = o;    o += pool;
-    /* quant region (issue 14): after the pools, so float segments keep their offsets */
+    /* quant region: after the pools, so float segments keep their offsets */
     if (c->dtype == SHMKV_I8) {
         uint64_t sb = (uint64_t)c->num_kv_heads * 4u;                           /* < 2^15 */
         uint64_t sl = sb * c->block_size * c->num_blocks;                       /* < 2^62 */

@@ -1,7 +1,7 @@
 # cython: language_level=3, binding=False
 # binding=False: the methods of the cdef classes are method descriptors, which check
 # self; Cython 3's cyfunctions do not (KVCache.unlink("name") crashed the interpreter).
-"""shmkv._quant: quantized pools (int8, float8_e4m3; issue 14) -- the link of the method
+"""shmkv._quant: quantized pools (int8, float8_e4m3) -- the link of the method
 chain between the sequences and the K/V data (DataOps subclasses it).
 
 QuantOps: the codecs' wrappers (quantize float32 / float16 / bfloat16 input in C into

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""shmkv._vcopy: the vLLM connector's block copy in C (issue 20) -- shmkv's pools
+"""shmkv._vcopy: the vLLM connector's block copy in C -- shmkv's pools
 ``[num_blocks, bs, H, D]`` <-> vLLM's CPU_ATTN layer tensor ``[num_blocks, H, VB, 2D]``
 (per (block, head) K then V; K transposed ``[D, VB]`` or plain ``[VB, D]``, V ``[VB, D]``;
 see shmkv/integrations/vllm/layout.py, which probes that layout against vLLM's own op).
@@ -97,7 +97,7 @@ cdef void _copy(elem_t* t, elem_t* kp, elem_t* vp, Py_ssize_t H, Py_ssize_t D,
                 else:
                     shmkv_vt32(kv_k, VB, sk + h * D, HD, D, bs)
             elif elem_t is uint16_t:
-                # token pairs are 32-bit words of K^T: through shmkv_vt32 (issue 33)
+                # token pairs are 32-bit words of K^T: through shmkv_vt32
                 shmkv_vt16_via32(sk + h * D, HD, kv_k, VB, bs, D, to_vllm)
             else:
                 d0 = 0

@@ -12,7 +12,7 @@ __all__ = ["CacheConfig", "DTYPES", "HASHES", "QUANTIZED"]
 #: dtype name -> (code stored in the segment, bytes per element)
 DTYPES = {"float16": (1, 2), "float32": (2, 4), "bfloat16": (3, 2), "int8": (4, 1),
           "float8_e4m3": (5, 1)}
-#: quantized pools (issue 14): 1-byte codes plus float32 scales; read and written as
+#: quantized pools: 1-byte codes plus float32 scales; read and written as
 #: their compute dtype (float32)
 QUANTIZED = ("int8", "float8_e4m3")
 #: block-hash algorithm name -> code stored in the segment

@@ -1,4 +1,4 @@
-"""The exception types of shared/API.md.
+"""The exception types of the API contract (docs/reference/index.md, "Errors").
 
 Every shmkv error derives from :class:`ShmkvError`; where a builtin describes the same
 situation the class derives from it too (``except MemoryError`` and ``except KeyError``

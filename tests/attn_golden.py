@@ -1,4 +1,4 @@
-"""Digests of the attention kernel's default-precision results, bit for bit (issue 35).
+"""Digests of the attention kernel's default-precision results, bit for bit.
 
 The opt-in reduced-precision mode must leave the default mode exactly as it was.  The cases
 below are deterministic (seeded inputs, fixed thread counts); `digests()` runs each on every

@@ -1,4 +1,4 @@
-"""Every call of shared/API.md, used the way the contract says."""
+"""Every call of the API contract (docs/reference/index.md), used the way the contract says."""
 import dataclasses
 import mmap
 import os
@@ -41,7 +41,7 @@ def test_config_bytes_per_token_and_block(dtype, itemsize):
     assert cfg.bytes_per_token == 2 * 3 * 5 * 7 * itemsize + scales
     assert cfg.bytes_per_block == cfg.bytes_per_token * 6
     assert cfg.numpy_dtype == np.dtype(dtype)
-    # the llama-ish shape of API.md
+    # a Llama-3-8B-ish shape
     big = shmkv.CacheConfig(num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=4096,
                             dtype=dtype)
     assert big.bytes_per_token == 2 * 32 * 8 * (128 * itemsize + (4 if dtype == "int8" else 0))

@@ -1,4 +1,4 @@
-"""precision="bf16", the opt-in reduced-precision attention (issue 35), and the default
+"""precision="bf16", the opt-in reduced-precision attention, and the default
 left bit for bit as it was.
 
 The opt-in's contract: q times the scale rounded to bf16 once (int8 pools on AVX512_VNNI:

@@ -147,7 +147,7 @@ def rows_item():
 @pytest.mark.parametrize("d,hkv,hq,bs", [(64, 2, 8, 16), (24, 3, 9, 5), (128, 1, 16, 32)])
 def test_gemm_item_agrees_with_row_item(make_cache, isa, two_threads, rows_item, dtype, d, hkv,
                                         hq, bs):
-    """The GEMM-shaped FMA item (issue 21) against the row item and the float64 reference:
+    """The GEMM-shaped FMA item against the row item and the float64 reference:
     query vectors that do not fill the lanes (45 x 3), a row tile split into key chunks
     (one long sequence, 2 threads), a block size that does not divide the 32-key step,
     head_dim 24 (the AVX2 item, also under avx512), quantized pools.  The two items do
@@ -227,7 +227,7 @@ def test_work_items_keep_the_threads_busy_without_needless_splits(q_lens, seq_le
     """The planner's choices for Llama's group of 4 on the GEMM items or the tiles.  A key
     split costs every chunk the item's fixed work again plus a merge on one thread: with
     the decode rule (split below 4 items per thread), 128 rows into 1k took 1.9x the time
-    on 2 threads (RESULTS_attention_21.md, eighth pass)."""
+    on 2 threads (RESULTS_attention_amx.md, eighth pass)."""
     assert _attention._plan(q_lens, seq_lens, 4, True, threads) == expect
 
 

@@ -1,6 +1,6 @@
 """Bounded waits: a holder of the pool lock or of a process cache's lock that is alive but
 stopped (Ctrl-Z, a debugger, ``docker pause``) makes another process's operation wait
-``lock_timeout`` at most, then raise LockTimeout (shared/API.md) -- and the bound runs on
+``lock_timeout`` at most, then raise LockTimeout (the API contract) -- and the bound runs on
 CLOCK_MONOTONIC, so a step of the wall clock does not stretch it.  (The pending table's
 lock: tests/test_pending.py.)"""
 import functools

@@ -1,4 +1,4 @@
-"""Every Python example in README.md and docs/ runs (issue 34), so none can rot.
+"""Every Python example in README.md and docs/ runs, so none can rot.
 
 The rules (also in docs/contributing-docs.md):
 

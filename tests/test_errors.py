@@ -1,4 +1,5 @@
-"""Bad input and exhaustion: every error row of shared/API.md.
+"""Bad input and exhaustion: every error row of the API contract
+(docs/reference/index.md, "Errors").
 
 Every bad call must raise the documented exception (messages name expected vs. got) and
 leave the segment exactly as it was: same stats, same sequences, same tables, same bytes,

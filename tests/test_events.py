@@ -1,4 +1,4 @@
-"""KV events (shared/API.md, "KV events and the remote tier"): the ring in the segment,
+"""KV events (the API contract, "KV events and the remote tier"): the ring in the segment,
 cache.events(since), its crash safety, and `shmkv events` publishing vLLM's wire format
 to a ZMQ subscriber that decodes vLLM's own schema."""
 import hashlib

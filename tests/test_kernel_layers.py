@@ -18,7 +18,7 @@ def test_the_kernels_have_no_upward_use():
     layers = kl.read_layers()
     errors, graph = kl.check(kl.load(KERNELS, layers), layers)
     assert errors == []
-    # the circle of issue 36 stays broken: the primitives know nothing of recovery
+    # no call circle: the primitives know nothing of recovery
     for low in ("lock.h", "pcache.h", "seq.h"):
         assert not graph[low] & {"recover.h", "ops.h"}, (low, graph[low])
 
@@ -42,7 +42,7 @@ def test_a_downward_call_passes():
 
 
 @pytest.mark.parametrize("lock_body,what", [
-    # a call up (the circle of issue 36)
+    # a call up (a primitive calling recovery: the call circle)
     ("static int shmkv_lock(int x) {\n    if (x) return shmkv_recover(x);\n    return 0;\n}\n",
      "uses shmkv_recover"),
     # a prototype of a function above is a use too

@@ -1,4 +1,4 @@
-"""shmkv.models: the real model's one-time conversion (issue 19, item 1).
+"""shmkv.models: the real model's one-time conversion.
 
 The conversion is atomic: a converter SIGKILLed in the middle leaves nothing a later call
 takes for finished, two processes racing into a fresh cache directory both get the same

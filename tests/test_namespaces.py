@@ -1,5 +1,5 @@
 """Processes in different PID namespaces sharing one /dev/shm (a Kubernetes pod's
-containers, ``docker run --ipc=container:X``; issue 41, "Containers").  A process's pid
+containers, ``docker run --ipc=container:X``; docs/deployment.md).  A process's pid
 means nothing across namespaces (the one inside is pid 1 or 2 there); the segment knows
 who is alive by open-file-description locks on the segment file, which the kernel drops
 when the holder dies, in whatever namespace.  So a peer in another PID namespace is alive

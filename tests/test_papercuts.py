@@ -1,4 +1,4 @@
-"""Issue 34's papercuts, each as a user meets it: numpy dtype objects in CacheConfig, a
+"""Papercuts, each as a user meets it: numpy dtype objects in CacheConfig, a
 negative --memory, "1 dead processes", the name's leading slash, and the transformers
 integration imported without transformers."""
 import json

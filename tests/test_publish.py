@@ -1,4 +1,4 @@
-"""ShmkvCache publishes the tokens it generates (issue 19): the rules of the decoder hook on
+"""ShmkvCache publishes the tokens it generates: the rules of the decoder hook on
 the tiny seeded model (fast; the real model's chats are in test_real_model.py).
 
 What is recorded is checked against the generated sequences themselves (``token_ids``) and
@@ -74,7 +74,7 @@ def test_generated_tokens_are_recorded_and_published(model, make_kv):
 # transformers 5.24 renamed every model forward's `past_key_values` to `cache` (the old name
 # deprecated, translated by a decorator after the forward hooks ran): the decoder hook
 # must find the cache under either name, or generated tokens silently stop being published
-# (issue 34: a chat's next turn hit 16 of 94 tokens instead of 80).
+# (when it did not, a chat's next turn hit 16 of 94 tokens instead of 80).
 CACHE_KWARGS = ["past_key_values"] + (
     ["cache"] if "cache" in inspect.signature(LlamaModel.forward).parameters else [])
 

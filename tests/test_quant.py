@@ -1,4 +1,4 @@
-"""Quantized pools (issue 14): int8 with a float32 scale per token and kv head, float8
+"""Quantized pools: int8 with a float32 scale per token and kv head, float8
 e4m3fn with a float32 scale per layer and kv head.  Round-trip bounds, the codec against
 ml_dtypes, every write path, attention within the quantization's error of the float64
 reference on the unquantized data (every ISA), copy-on-write and prefix hits carrying the

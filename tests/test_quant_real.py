@@ -1,4 +1,4 @@
-"""Quantized pools on real text with the real model (issue 19): int8 keeps the float32
+"""Quantized pools on real text with the real model: int8 keeps the float32
 model's top-1 predictions, and calibrate_kv_scales sets a float8 pool's per-(layer, kv head)
 scales from the model's own K/V (checked against an independent computation) and keeps
 float8 as close as benchmarks/RESULTS_quant.md documents.

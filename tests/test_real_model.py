@@ -1,6 +1,6 @@
 """The real model (SmolLM2-135M-Instruct, float32) through ShmkvCache: chats against
 transformers' own DynamicCache, prefix hits across processes, turn 2 reusing turn 1's answer,
-and the stored K/V against DynamicCache's (issue 19).
+and the stored K/V against DynamicCache's.
 
 The model comes from shmkv.models' default cache directory (`make test` runs `make model`
 first, which converts it once).  Outside CI a missing model or dependency skips this module;

@@ -1,4 +1,4 @@
-"""The remote tier (issue 15): a Redis Cluster this module starts and stops itself (on
+"""The remote tier: a Redis Cluster this module starts and stops itself (on
 free loopback ports, from Debian's redis-server), two segments standing for two hosts."""
 import json
 import os

@@ -492,7 +492,7 @@ def test_mode_full_under_shmkv_is_right_and_mode_is_checked(model, make_kv):
     settled(kv)
 
 
-# ---- quantized pools (issue 14) ----------------------------------------------------------
+# ---- quantized pools ---------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3"])
 def test_quantized_pool_paged_and_dense_agree(model, make_kv, dtype):
     """config_for(..., dtype="int8" | "float8_e4m3"): ShmkvCache writes float32 and the

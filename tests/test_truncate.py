@@ -1,4 +1,4 @@
-"""KVCache.truncate(sid, n) (API.md "Sequences: truncate (v3)"): keep the first n tokens
+"""KVCache.truncate(sid, n) (the API contract, "Sequences"): keep the first n tokens
 in place.  Unit tests against a model of the data and the refcounts, copy-on-write after
 a truncate, prefix hashes, errors with nothing changed, another process truncating, and
 a process killed inside truncate (crash point truncate_mid)."""

@@ -76,7 +76,7 @@ def other_group():
 
 # ------------------------------------------------------------------ another user's segment
 def test_root_refuses_a_segment_another_user_created(names):
-    """On main root attached it without a word (the measured report)."""
+    """Without the owner check root attached it without a word."""
     name = names()
     assert as_nobody("create", name, "666") == {"ok": True}
     st = os.stat(os.path.join(SHM, name))

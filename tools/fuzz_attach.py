@@ -183,7 +183,7 @@ TEMPLATE_CONFIGS = [
     {"num_layers": 3, "num_kv_heads": 1, "head_dim": 1, "num_blocks": 32, "block_size": 8,
          "dtype": "float16", "max_seqs": 16, "max_procs": 8, "max_seq_len": 64,
          "event_capacity": 64},
-    # quantized pools (issue 14): their scales are mutated too (kind "scales")
+    # quantized pools: their scales are mutated too (kind "scales")
     {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "num_blocks": 16, "block_size": 4,
          "dtype": "int8", "max_seqs": 8, "max_procs": 4},
     {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "num_blocks": 16, "block_size": 4,

@@ -14,8 +14,8 @@ first token on host B with the tier hit against recomputing (the model of
 benchmarks/transformers_bench.py).
 
 Both "hosts" run in this one process here (two segments, two tiers with their own
-connections); on two machines each runs its half against the same cluster URL.  (The
-issue's optional variant with two network namespaces joined by veth is not done.)
+connections); on two machines each runs its half against the same cluster URL.  (Hosts as
+network namespaces joined by veth pairs: tools/netlab.py.)
 """
 from __future__ import annotations
 

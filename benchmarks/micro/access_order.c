@@ -1,6 +1,6 @@
 /*
  * benchmarks/micro/access_order.c -- does the order in which decode reads a paged K/V pool
- * matter, with and without decode's work per cache line?  (RESULTS_attention_21.md, fifth
+ * matter, with and without decode's work per cache line?  (RESULTS_attention_amx.md, fifth
  * pass.)  A standalone measurement, built by `make micro` (benchmarks/out/micro/) or:
  *
  *   gcc -O2 -mavx512f -mavx512bw -mf16c -mfma -o /tmp/access_order \

@@ -1,6 +1,6 @@
 /*
  * benchmarks/micro/amx_mix.c -- what a few AMX tile products cost the vector and scalar code
- * around them (RESULTS_attention_21.md, sixth pass).  Built by `make micro`, or:
+ * around them (RESULTS_attention_amx.md, sixth pass).  Built by `make micro`, or:
  *
  *   gcc -O2 -o /tmp/amx_mix benchmarks/micro/amx_mix.c && /tmp/amx_mix
  *

@@ -1,7 +1,7 @@
 /*
  * benchmarks/micro/dot_throughput.c -- what one AVX512_BF16 dot product (vdpbf16ps, 32
  * products) costs against an FMA (vfmadd231ps, 16 products), and whether the two share
- * ports (RESULTS_attention_21.md, fifth pass).  Built by `make micro`, or:
+ * ports (RESULTS_attention_amx.md, fifth pass).  Built by `make micro`, or:
  *
  *   gcc -O2 -o /tmp/dot_throughput benchmarks/micro/dot_throughput.c && /tmp/dot_throughput
  *

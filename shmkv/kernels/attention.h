@@ -41,7 +41,7 @@ typedef struct {
     const uint8_t *kpool;           /* this layer's K pool [num_blocks][block_size][hkv][d] */
     const uint8_t *vpool;           /* this layer's V pool, same shape */
     int kv_dtype;                   /* SHMKV_ATT_F32 / F16 / BF16 / I8 / E4M3 */
-    /* quantized pools (issue 14): the scales are applied to the score (K: q . s k =
+    /* quantized pools: the scales are applied to the score (K: q . s k =
      * s (q . k)) and to the probability (V: sum p s v), never per element; shared memory,
      * read as data (NaN/inf give NaN outputs, never an out-of-bounds read) */
     const float *kscale, *vscale;   /* I8: this layer's [num_blocks * block_size][hkv] */

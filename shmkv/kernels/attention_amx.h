@@ -31,7 +31,7 @@
  * - P goes in two pieces (16 bits, ~2^-18 relative) times V's first piece, and P's first
  *   piece times each further piece of V, so a row that sees one key (p = 1) returns its v
  *   exactly; the products left out (P lo . V lo) are ~2^-18 of p.v.  An error in a weight
- *   is not amplified: the result stays within ~2x the FMA paths' error (RESULTS_attention_21).
+ *   is not amplified: the result stays within ~2x the FMA paths' error (RESULTS_attention_amx).
  */
 #if SHMKV_HAVE_X86
 #include <cpuid.h>

@@ -1,5 +1,5 @@
 /*
- * kernels/attention_dot.h -- the opt-in reduced-precision items (precision="bf16", issue 35)
+ * kernels/attention_dot.h -- the opt-in reduced-precision items (precision="bf16")
  * on the CPU's narrow dot-product instructions; included once by attention.c after the
  * AVX-512 pass, whose helpers (vexpsub_avx512, hsum4_avx512, vacc_avx512, ...) it calls.
  * Every function carries its own target attribute, like attention_amx.h.  Owns nothing;

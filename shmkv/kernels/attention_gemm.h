@@ -1,6 +1,6 @@
 /*
- * kernels/attention_gemm.h -- prefill rows on FMAs, shaped as two small GEMMs per step
- * (issue 21).  Included by attention_isa.h in its vector passes (AVX2 and AVX-512), after
+ * kernels/attention_gemm.h -- prefill rows on FMAs, shaped as two small GEMMs per step.
+ * Included by attention_isa.h in its vector passes (AVX2 and AVX-512), after
  * the vector vocabulary (VEC, W, VFMA, ...); owns nothing, reads pool rows and writes the
  * caller's scratch like the row path.
  *

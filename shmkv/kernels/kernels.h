@@ -3,7 +3,7 @@
  *
  * Every kernel is `noexcept nogil` from Cython's point of view: it returns a status
  * (SHMKV_OK or SHMKV_E*) and never touches Python.  One translator in _core.pyx turns a
- * status into the exception of shared/API.md.
+ * status into the exception the API contract names (docs/reference/index.md).
  *
  * Kernels whose name ends in `_locked` run with ctx->sh->pool_lock held by the caller.
  * Kernels are all-or-nothing: they check capacity and validate every index they will use

@@ -1,5 +1,5 @@
 /*
- * kernels/quant.h -- quantized pools (issue 14): the int8 and float8 e4m3fn codecs and
+ * kernels/quant.h -- quantized pools: the int8 and float8 e4m3fn codecs and
  * the copy of a block's scales.  Owns no shared field; writes the caller's dense buffers,
  * and (shmkv_scales_block_copy) the scale rows of a copy-on-write target the caller holds.
  *

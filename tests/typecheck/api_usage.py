@@ -1,4 +1,5 @@
-"""A user's script over every public call of shared/API.md and the README's extensions.
+"""A user's script over every public call of the API contract (docs/reference/index.md)
+and the README's extensions.
 
 Two jobs: `mypy --strict` checks it against the package's stubs (`make lint`), and
 tests/test_typing.py runs it against a real segment, so every call it types is also a
@@ -120,7 +121,7 @@ def prefix_cache(cache: shmkv.KVCache) -> None:
 
 
 def remote_tier(cache: shmkv.KVCache) -> None:
-    """The remote tier's API (shared/API.md, "KV events and the remote tier"), against a
+    """The remote tier's API (the API contract, "KV events and the remote tier"), against a
     port nothing listens on: a tier that is down never raises, it is counted."""
     bs = cache.config.block_size
     tier = shmkv.RedisTier("redis://127.0.0.1:9", cluster=True, timeout=0.2,
@@ -203,7 +204,7 @@ def errors(cache: shmkv.KVCache) -> None:
 
 
 def quantized(name: str) -> None:
-    """int8 and float8_e4m3 pools (issue 14): float in, float32 out, raw codes + scales."""
+    """int8 and float8_e4m3 pools: float in, float32 out, raw codes + scales."""
     for dtype in ("int8", "float8_e4m3"):
         cfg = shmkv.CacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=16,
                                 block_size=4, dtype=dtype, max_seqs=4)

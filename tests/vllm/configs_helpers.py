@@ -1,4 +1,4 @@
-"""What the configuration tests of issue 33 share (test_vllm_fp8.py, test_vllm_tp.py,
+"""What the tests of vLLM CPU's configurations share (test_vllm_fp8.py, test_vllm_tp.py,
 test_vllm_shared_hf.py, ...): one engine run in its own process group through
 configs_worker.py, killed with its children whatever happens, vLLM's own /dev/shm/psm_*
 files of an engine that had to be killed removed (only new ones no live process maps);

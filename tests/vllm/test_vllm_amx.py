@@ -1,4 +1,4 @@
-"""vLLM's AMX KV layout (issue 33): what vLLM 0.32 packs for bfloat16 on AMX hosts
+"""vLLM's AMX KV layout: what vLLM 0.32 packs for bfloat16 on AMX hosts
 (``isa="amx"``), on every machine.
 
 vLLM's ``cpu_attn_reshape_and_cache(..., isa="amx")`` is plain data movement: it runs on

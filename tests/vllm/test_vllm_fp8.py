@@ -1,4 +1,4 @@
-"""fp8 KV (issue 33): vLLM 0.32's CPU backend serves ``kv_cache_dtype="fp8"`` (e4m3 codes in
+"""fp8 KV: vLLM 0.32's CPU backend serves ``kv_cache_dtype="fp8"`` (e4m3 codes in
 a uint8 tensor, K transposed as for ``vec``; AMX hosts with bfloat16: the AMX tiles'
 layout) on x86 with AVX-512 or AMX.  Instances share through a float8_e4m3 pool: codes
 copied as they are, vLLM's per-layer scales in the segment's scale table.

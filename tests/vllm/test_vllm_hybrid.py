@@ -1,4 +1,4 @@
-"""Hybrid models (issue 33, hybrid.py): sliding-window layers beside full ones.
+"""Hybrid models (hybrid.py): sliding-window layers beside full ones.
 
 A seeded tiny Gemma 3 (4 layers: sliding window 64, full, sliding, full; 4 query / 2 KV
 heads, head_dim 32, random weights, SmolLM2's tokenizer; saved once into a temp dir, no

@@ -1,4 +1,4 @@
-"""A cache never stops the engine (issue 41): whatever the host holds under the segment's
+"""A cache never stops the engine: whatever the host holds under the segment's
 name or in /dev/shm -- no room for the segment, another model's or another version's
 segment, another user's -- the connector turns itself off with one warning naming the
 cause and the fix, and vLLM serves as it does without it.  (Mistakes in the connector's own

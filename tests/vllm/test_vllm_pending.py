@@ -1,7 +1,7 @@
-"""Pending marks by progress, at the connector's scheduler half (issue 41, "Pending marks by
-progress"): engines are processes running the real connector in vLLM's SCHEDULER role,
-built from the real model's engine config and driven as vLLM's scheduler drives it
-(sched_worker.py) -- lookups, allocations, preemptions, finished requests -- on one segment.
+"""Pending marks by progress, at the connector's scheduler half: engines are processes
+running the real connector in vLLM's SCHEDULER role, built from the real model's engine
+config and driven as vLLM's scheduler drives it (sched_worker.py) -- lookups, allocations,
+preemptions, finished requests -- on one segment.
 
 - a burst of 16 requests with one new prefix over two engines whose lookups interleave
   (each decides before the other marks): exactly one engine computes it, every request of

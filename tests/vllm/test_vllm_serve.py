@@ -207,7 +207,7 @@ def bf16(tmp_path_factory):
         time.sleep(3.0)
         A.kill()
         t.join()
-        # item 8: what the killed engine mapped in /dev/shm outlives it; exactly that goes
+        # what the killed engine mapped in /dev/shm outlives it; exactly that goes
         out["A_shm_seen"] = sorted(A.shm_seen)
         out["A_orphans"] = [p for p in A.shm_seen if os.path.exists(p)]
         A.cleanup()

@@ -1,4 +1,4 @@
-"""One segment, two kinds of engine (issue 33): a transformers process (``ShmkvCache``) and a
+"""One segment, two kinds of engine: a transformers process (``ShmkvCache``) and a
 vLLM instance with the same model and salt share blocks both ways.
 
 What has to agree: the salt (``request_salt(model_id)``: the transformers side passes the

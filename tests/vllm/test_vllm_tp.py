@@ -1,4 +1,4 @@
-"""Tensor parallel (issue 33, tp.py): a shmkv block holds all KV heads, each rank writes and
+"""Tensor parallel (tp.py): a shmkv block holds all KV heads, each rank writes and
 reads its own slice, so a TP=1 and a TP=2 instance share blocks both ways.
 
 A seeded tiny Llama (4 query / 2 KV heads, head_dim 32, random weights, SmolLM2's

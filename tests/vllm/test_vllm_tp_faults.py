@@ -1,9 +1,9 @@
-"""Tensor parallel faults at the connector's worker (issue 41, items 5 and "Never stop the
-engine"): three ranks of one engine (SmolLM2's 3 KV heads, one per rank), each a process
-with vLLM's own distributed setup and the real connector in the WORKER role, driven as
-vLLM's runner drives it (tp_worker.py).  Nothing raises into vLLM on any rank, no rank
-waits for another in a collective that never comes, nothing a failed save touched is
-published, and no sequence or block is left held.
+"""Tensor parallel faults at the connector's worker (a cache never stops the engine): three
+ranks of one engine (SmolLM2's 3 KV heads, one per rank), each a process with vLLM's own
+distributed setup and the real connector in the WORKER role, driven as vLLM's runner drives
+it (tp_worker.py).  Nothing raises into vLLM on any rank, no rank waits for another in a
+collective that never comes, nothing a failed save touched is published, and no sequence or
+block is left held.
 
 - one rank's registration fails alone: every rank turns the connector off (the all-ranks
   vote);

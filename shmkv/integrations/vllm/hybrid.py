@@ -1,4 +1,4 @@
-"""Hybrid models (issue 33): what the connector does with sliding-window layers beside full
+"""Hybrid models: what the connector does with sliding-window layers beside full
 ones, and what it refuses.
 
 Decision: the connector does **not** implement vLLM's ``SupportsHMA``; a sliding-window

@@ -1,4 +1,4 @@
-"""Tensor parallel (issue 33): one shmkv block holds all of a token's KV heads; each vLLM
+"""Tensor parallel: one shmkv block holds all of a token's KV heads; each vLLM
 rank (one worker process per rank, each with its own connector) writes and reads only its
 slice of them, so instances of any TP degree -- TP=1 and TP=2 alike -- share one cache.
 
