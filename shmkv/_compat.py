@@ -1,4 +1,4 @@
-"""The versions of optional dependencies each integration is tested with (issue 34).
+"""The versions of optional dependencies each integration is tested with.
 
 ``make test-compat`` runs each integration's tests at the lowest and the newest version of
 its dependency that these ranges name; the extras in ``pyproject.toml`` admit exactly the
@@ -19,11 +19,11 @@ __all__ = ["TESTED", "ShmkvVersionWarning", "check", "version_tuple"]
 #: The newest is the newest release on the index when the range was last tested: a
 #: later release is untested, not refused.
 TESTED: Dict[str, Tuple[str, str, str]] = {
-    "transformers": ("transformers", "5.19.0", "5.24.0"),
+    "transformers": ("transformers", "5.19.0", "5.25.0"),
     "torch": ("torch", "2.13.0", "2.13.0"),
-    "redis": ("redis", "5.0.0", "8.1.0"),
+    "redis": ("redis", "5.0.0", "8.2.0"),
     "pyzmq": ("events", "25.0.0", "27.3.0"),
-    "msgspec": ("events", "0.18.0", "0.22.0"),
+    "msgspec": ("events", "0.18.0", "0.23.0"),
     "numpy": ("", "1.24.0", "2.4.6"),
 }
 
