@@ -59,8 +59,12 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def mapped_vllm_shm(pids: list[int]) -> set[str]:
-    """vLLM's /dev/shm files mapped by ``pids``."""
+    """vLLM's /dev/shm files mapped by ``pids``.  A POSIX semaphore is mapped under the
+    temporary name glibc's sem_open created it as (since unlinked: ``sem.XXXXXX
+    (deleted)``) before linking it to its real name, so ``sem.mp-*`` files are matched by
+    inode, not by the name in the maps."""
     found = set()
+    sem_inodes = set()
     for pid in pids:
         try:
             text = Path(f"/proc/{pid}/maps").read_text()
@@ -72,6 +76,22 @@ def mapped_vllm_shm(pids: list[int]) -> set[str]:
                 path = parts[5].replace(" (deleted)", "").strip()
                 if _VLLM_SHM.match(path):
                     found.add(path)
+                elif path.startswith("/dev/shm/sem."):
+                    try:
+                        sem_inodes.add(int(parts[4]))
+                    except ValueError:
+                        pass
+    if sem_inodes:
+        try:
+            names = [n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")]
+        except OSError:
+            names = []
+        for n in names:
+            try:
+                if os.stat(f"/dev/shm/{n}").st_ino in sem_inodes:
+                    found.add(f"/dev/shm/{n}")
+            except OSError:
+                pass
     return found
 
 

@@ -55,10 +55,11 @@ def hybrid_runs(tmp_path_factory):
     with torch.no_grad():
         ref = model.generate(torch.tensor([p]), max_new_tokens=GEN,
                              do_sample=False)[0, N:].tolist()
-    # vLLM 0.32 CPU on this tiny Gemma 3 now and then answers [first token, 0, 0, ...] in
-    # a run that loaded nothing (seen once in A, once in B's reference run; not reproduced
-    # by reruns of the same job, with or without the connector): such a round says nothing
-    # about the connector and is run again, once; a second one fails the assertions below
+    # vLLM 0.32 CPU on this tiny Gemma 3 now and then answers [first token, 0, 0, ...] for
+    # every request of one engine, in requests that loaded nothing (docs/known-issues.md:
+    # seen only in engines with the connector configured, which on 2 cores also run two
+    # OpenMP threads; the cause is not known, the connector's load path never ran).  Such
+    # a round is run again, once, and said (a warning); a second one fails the assertions
     for attempt in range(2):
         seg = unique_name("vllm-hybrid")
         extra = {"segment": seg, "num_blocks": 256}
@@ -84,6 +85,12 @@ def hybrid_runs(tmp_path_factory):
         if (ra["results"][0]["token_ids"] == ref
                 and rb["results"][1]["token_ids"] == ref):
             break
+        if attempt == 0:
+            import warnings
+            warnings.warn(f"an engine computing the prompt without a load answered "
+                          f"{ra['results'][0]['token_ids']} / {rb['results'][1]['token_ids']}"
+                          f", transformers {ref} (docs/known-issues.md): the round runs again",
+                          stacklevel=1)
     yield {"path": path, "p": p, "A": ra["results"], "B": rb["results"], "ref": ref,
            "stored": stored, "logA": loga, "attempts": attempt + 1}
 
