@@ -12,7 +12,7 @@ VCONSTRAINTS := constraints/vllm.txt
 PIPI   := $(PIP) install -q -c $(CONSTRAINTS)
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
-SRC    := $(wildcard shmkv/*.py shmkv/*.pyx shmkv/*.pxd shmkv/*.pyi shmkv/py.typed shmkv/*.h shmkv/*/*.py shmkv/*/*/*.py shmkv/kernels/*.h shmkv/kernels/*.c) setup.py pyproject.toml
+SRC    := $(wildcard src/shmkv/*.py src/shmkv/*.pyx src/shmkv/*.pxd src/shmkv/*.pyi src/shmkv/py.typed src/shmkv/*.h src/shmkv/*/*.py src/shmkv/*/*/*.py src/shmkv/kernels/*.h src/shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
 .PHONY: all install model demo test micro test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
@@ -234,7 +234,7 @@ chaos: install
 fuzz: install
 	$(PY) tools/fuzz_attach.py
 
-# ruff; the C kernels' layering (shmkv/kernels/layers.txt: no file uses what a file above
+# ruff; the C kernels' layering (src/shmkv/kernels/layers.txt: no file uses what a file above
 # it defines); Cython with warnings as errors; mypy --strict on a user's script over the
 # whole API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
 STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events shmkv._vcopy
@@ -244,11 +244,11 @@ $(VENV)/.lint: $(DEPS)
 	touch $@
 
 lint: install $(VENV)/.lint
-	$(VENV)/bin/ruff check shmkv tests benchmarks tools
+	$(VENV)/bin/ruff check src tests benchmarks tools
 	$(PY) tools/kernel_layers.py
 	$(PY) tools/docs_lint.py
 	: > /tmp/shmkv-lint.log
-	for f in shmkv/*.pyx; do $(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I shmkv -o /tmp/shmkv-lint.c $$f 2>&1 | tee -a /tmp/shmkv-lint.log; done
+	for f in src/shmkv/*.pyx; do $(VENV)/bin/cython -X language_level=3 -Werror --no-docstrings -I src/shmkv -o /tmp/shmkv-lint.c $$f 2>&1 | tee -a /tmp/shmkv-lint.log; done
 	! grep -qiE 'warning|performance hint|error' /tmp/shmkv-lint.log
 	$(VENV)/bin/mypy --strict tests/typecheck/api_usage.py
 	cd /tmp && $(abspath $(PY)) -m mypy.stubtest --allowlist $(abspath tests/typecheck/stubtest_allowlist.txt) $(STUBBED)
@@ -325,14 +325,14 @@ FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
 
 fuzz-c: install
 	mkdir -p $(FUZZ_DIR)/corpus
-	cc=$$($(SAN) cc) && $$cc $(FUZZ_FLAGS) -I shmkv fuzz/segment_fuzz.c -o $(FUZZ_DIR)/segment_fuzz -lpthread -lrt
+	cc=$$($(SAN) cc) && $$cc $(FUZZ_FLAGS) -I src/shmkv fuzz/segment_fuzz.c -o $(FUZZ_DIR)/segment_fuzz -lpthread -lrt
 	rm -rf $(FUZZ_DIR)/seeds && $(PY) fuzz/make_corpus.py $(FUZZ_DIR)/seeds
 	maxlen=$$(wc -c $(FUZZ_DIR)/seeds/* | sort -n | tail -2 | head -1 | awk '{print $$1}') && \
 	$(FUZZ_DIR)/segment_fuzz -max_total_time=$(DURATION) -max_len=$$maxlen -print_final_stats=1 \
 		-artifact_prefix=$(FUZZ_DIR)/ -timeout=10 -rss_limit_mb=4096 $(FUZZ_DIR)/corpus $(FUZZ_DIR)/seeds
 
 # make coverage: the extension built by gcc with --coverage (-O0), the whole suite (time
-# bounds of chaos x3: -O0 is slower), then gcovr over the C kernels (shmkv/kernels/): a
+# bounds of chaos x3: -O0 is slower), then gcovr over the C kernels (src/shmkv/kernels/): a
 # summary here, per-line HTML, and the functions least covered
 # (tools/sanitize/cov_functions.py) in $(COV_DIR)/; the report is written even when a test
 # failed, and the target then fails.  (gcov counts of the attention pool's threads can race
@@ -345,7 +345,7 @@ coverage: $(DEPS) redis
 		$(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
 	rm -f $(BUILT)
 	SHMKV_TIME_SCALE=3 $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests --ignore=tests/vllm; st=$$?; \
-	$(VENV)/bin/gcovr -r . --object-directory build --filter 'shmkv/kernels/' \
+	$(VENV)/bin/gcovr -r . --object-directory build --filter 'src/shmkv/kernels/' \
 		--exclude-unreachable-branches --gcov-ignore-parse-errors=negative_hits.warn_once_per_file \
 		--txt $(COV_DIR)/summary.txt \
 		--html-details $(COV_DIR)/index.html --json $(COV_DIR)/coverage.json --print-summary && \
@@ -354,13 +354,13 @@ coverage: $(DEPS) redis
 	rep=$$?; [ $$st = 0 ] && [ $$rep = 0 ]
 
 clean:
-	rm -rf build dist *.egg-info shmkv/*.so shmkv/_*.c .cython-variant .fuzz .coverage-c .pytest_cache .hypothesis .mypy_cache $(SAN_SITE)
+	rm -rf build dist *.egg-info src/shmkv/*.so src/shmkv/_*.c src/*.egg-info .cython-variant .fuzz .coverage-c .pytest_cache .hypothesis .mypy_cache $(SAN_SITE)
 	rm -rf .compat .dist-check site
 	rm -rf $(VENV) $(VLLM_VENV) $(WHEEL_DIR)
 
 # ---- the versions users get, packaging, docs --------------------------------------------
 # make test-compat: each integration's dependencies at the lowest and the newest tested
-# version (shmkv/_compat.py TESTED = pyproject's extras), two plain venvs in .compat/
+# version (src/shmkv/_compat.py TESTED = pyproject's extras), two plain venvs in .compat/
 # against one wheel of this checkout, a focused subset of the suite in each; prints the
 # versions tested. torch==2.13.0 in both (the only build installable here).
 test-compat: install redis

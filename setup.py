@@ -10,7 +10,7 @@ at import.  ``shmkv._attention`` is the paged-attention kernel (``kernels/attent
 with its wrapper.  ``SHMKV_DEBUG=1`` builds the debug variant: C asserts and the
 ``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
 
-The generated C (``shmkv/_*.c``) is of one variant at a time, named in ``.cython-variant``:
+The generated C (``src/shmkv/_*.c``) is of one variant at a time, named in ``.cython-variant``:
 a build of the other variant regenerates it (cythonize compares only timestamps, and a
 change of directives does not count); ``SHMKV_CYTHON_FORCE=1`` regenerates it whatever
 (make debug, sanitize and coverage set it).
@@ -61,8 +61,8 @@ if STRIP:
 cflags += EXTRA_CFLAGS
 ldflags += EXTRA_LDFLAGS
 
-KERNELS = sorted(h for h in glob.glob("shmkv/kernels/*.h") if "attention" not in h)
-PXD = ["shmkv/_layout.pxd", "shmkv/_core.pxd"]
+KERNELS = sorted(h for h in glob.glob("src/shmkv/kernels/*.h") if "attention" not in h)
+PXD = ["src/shmkv/_layout.pxd", "src/shmkv/_core.pxd"]
 
 # the handle's base first, then the method chain bottom-up (each .pxd cimports the one below)
 CHAIN = [("_core", []), ("_inspect", ["_inspect"]), ("_prefix", ["_inspect", "_prefix"]),
@@ -76,26 +76,26 @@ CHAIN = [("_core", []), ("_inspect", ["_inspect"]), ("_prefix", ["_inspect", "_p
 def _module(name, pxds):
     return Extension(
         f"shmkv.{name}",
-        sources=[f"shmkv/{name}.pyx"],
-        include_dirs=["shmkv", numpy.get_include()],
+        sources=[f"src/shmkv/{name}.pyx"],
+        include_dirs=["src/shmkv", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=cflags,
         extra_link_args=ldflags,
         libraries=["rt", "pthread"],
-        depends=["shmkv/_layout.h"] + PXD + [f"shmkv/{p}.pxd" for p in pxds] + KERNELS,
+        depends=["src/shmkv/_layout.h"] + PXD + [f"src/shmkv/{p}.pxd" for p in pxds] + KERNELS,
     )
 
 
 # paged attention: its own module and C file; it reaches the segment through _core's C API
 attention = Extension(
     "shmkv._attention",
-    sources=["shmkv/_attention.pyx", "shmkv/kernels/attention.c"],
-    include_dirs=["shmkv", numpy.get_include()],
+    sources=["src/shmkv/_attention.pyx", "src/shmkv/kernels/attention.c"],
+    include_dirs=["src/shmkv", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=cflags,
     extra_link_args=ldflags,
     libraries=["m", "pthread"],
-    depends=sorted(glob.glob("shmkv/kernels/attention*.h")) + PXD,
+    depends=sorted(glob.glob("src/shmkv/kernels/attention*.h")) + PXD,
 )
 
 VARIANT, STAMP = ("debug" if DEBUG else "release"), ".cython-variant"

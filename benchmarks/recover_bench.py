@@ -38,7 +38,7 @@ import numpy as np
 import shmkv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_SRC = os.path.join(os.path.dirname(HERE), "shmkv")
+_SRC = os.path.join(os.path.dirname(HERE), "src", "shmkv")
 if os.path.abspath(shmkv.__file__).startswith(_SRC):
     sys.exit("recover_bench: run it against the installed shmkv (cd elsewhere / make)")
 

@@ -36,7 +36,7 @@ from timing import STEAL, fmt_ns, loop_overhead_ns, measure, measure_interleaved
 import shmkv
 from shmkv import _core
 
-_SRC = os.path.join(os.path.dirname(HERE), "shmkv")
+_SRC = os.path.join(os.path.dirname(HERE), "src", "shmkv")
 
 
 @dataclasses.dataclass

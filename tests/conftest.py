@@ -10,7 +10,7 @@ from shmkv import _attention
 
 # The suite tests the installed package, never the source tree.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SRC = os.path.join(os.path.dirname(_HERE), "shmkv")
+_SRC = os.path.join(os.path.dirname(_HERE), "src", "shmkv")
 assert not os.path.abspath(shmkv.__file__).startswith(_SRC), (
     f"tests must run against the installed package, imported {shmkv.__file__}")
 

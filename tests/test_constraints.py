@@ -83,7 +83,7 @@ def test_tools_use_their_constraints():
 def test_the_compat_sets_hold_the_tested_ranges():
     """compat-lowest/newest pin each integration's dependency at the end of its range."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("_compat", os.path.join(ROOT, "shmkv",
+    spec = importlib.util.spec_from_file_location("_compat", os.path.join(ROOT, "src", "shmkv",
                                                                           "_compat.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -96,7 +96,7 @@ def test_the_compat_sets_hold_the_tested_ranges():
 def test_the_main_set_is_inside_the_tested_ranges():
     """What make test installs is what shmkv says it is tested with (no version warning)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("_compat", os.path.join(ROOT, "shmkv",
+    spec = importlib.util.spec_from_file_location("_compat", os.path.join(ROOT, "src", "shmkv",
                                                                           "_compat.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -61,9 +61,9 @@ def test_legitimate_uses_pass(tmp_path):
 
 
 def test_the_file_list_is_the_shipped_text():
-    files = ["README.md", "docs/a/b.md", "docs/pool-map.png", "shmkv/_core.pyx",
-             "shmkv/_core.c", "shmkv/kernels/attention.c", "tests/test_x.py", "Makefile",
+    files = ["README.md", "docs/a/b.md", "docs/pool-map.png", "src/shmkv/_core.pyx",
+             "src/shmkv/_core.c", "src/shmkv/kernels/attention.c", "tests/test_x.py", "Makefile",
              ".ci/run", "constraints/main.txt", "LICENSE", "tools/docs_lint.py"]
     assert list(docs_lint.shipped(files)) == [
-        "README.md", "docs/a/b.md", "shmkv/_core.pyx", "shmkv/kernels/attention.c",
+        "README.md", "docs/a/b.md", "src/shmkv/_core.pyx", "src/shmkv/kernels/attention.c",
         "tests/test_x.py", "Makefile", ".ci/run"]

@@ -1,4 +1,4 @@
-"""The C kernels' layering (shmkv/kernels/layers.txt): no file uses what a file above it
+"""The C kernels' layering (src/shmkv/kernels/layers.txt): no file uses what a file above it
 defines (tools/kernel_layers.py, also run by `make lint`).  Reads the source tree, not
 the installed package; skipped where the tree is not beside the tests."""
 import os
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = os.path.join(ROOT, "shmkv", "kernels")
+KERNELS = os.path.join(ROOT, "src", "shmkv", "kernels")
 if not os.path.exists(os.path.join(KERNELS, "layers.txt")):
     pytest.skip("no source tree beside the tests", allow_module_level=True)
 sys.path.insert(0, os.path.join(ROOT, "tools"))

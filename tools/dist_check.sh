@@ -117,8 +117,9 @@ step "the sdist carries what a build needs"
 tar tzf "$SDIST" | sed 's|^[^/]*/||' | sort >"$OUT/sdist.txt"
 missing=0
 for f in LICENSE README.md CHANGELOG.md setup.py pyproject.toml MANIFEST.in \
-         $(git ls-files 'shmkv/*.pyx' 'shmkv/*.pxd' 'shmkv/*.pyi' 'shmkv/*.h' 'shmkv/py.typed' \
-                        'shmkv/kernels/*' 'shmkv/*.py' 'shmkv/**/*.py'); do
+         $(git ls-files 'src/shmkv/*.pyx' 'src/shmkv/*.pxd' 'src/shmkv/*.pyi' 'src/shmkv/*.h' \
+                        'src/shmkv/py.typed' 'src/shmkv/kernels/*' 'src/shmkv/*.py' \
+                        'src/shmkv/**/*.py'); do
     grep -qxF "$f" "$OUT/sdist.txt" || { echo "missing from the sdist: $f"; missing=1; }
 done
 [ $missing = 0 ]

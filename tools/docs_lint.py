@@ -12,7 +12,7 @@ The patterns are a short, precise list, so that the legitimate words stay free: 
 chat "session", "known issues", docs/reference/api.md.
 
 The files: README.md, CHANGELOG.md, DESIGN.md, DEVELOP.md, docs/**/*.md, benchmarks/*.md,
-and everything under shmkv/ (except the generated Cython output shmkv/_*.c), tools/,
+and everything under src/shmkv/ (except the generated Cython output src/shmkv/_*.c), tools/,
 benchmarks/, tests/ and fuzz/, plus Makefile, .ci/run, pyproject.toml, setup.py and
 mkdocs.yml: the files git knows, tracked or new and not ignored (``git ls-files``).
 The check is plain regular expressions over lines, code included: the patterns are
@@ -58,7 +58,7 @@ PATTERNS: list[tuple[re.Pattern[str], str]] = [
 
 _TOP = {"README.md", "CHANGELOG.md", "DESIGN.md", "DEVELOP.md", "Makefile", ".ci/run",
         "pyproject.toml", "setup.py", "mkdocs.yml"}
-_TREES = ("shmkv/", "tools/", "benchmarks/", "tests/", "fuzz/")
+_TREES = ("src/shmkv/", "tools/", "benchmarks/", "tests/", "fuzz/")
 _BINARY = (".png", ".jpg", ".gif", ".so", ".o", ".pyc", ".gz", ".whl")
 
 
@@ -67,7 +67,7 @@ def shipped(paths: Iterable[str]) -> Iterator[str]:
     for p in paths:
         if p == SELF or p.endswith(_BINARY):
             continue
-        if p.startswith("shmkv/") and re.fullmatch(r"shmkv/_\w+\.c", p):
+        if p.startswith("src/shmkv/") and re.fullmatch(r"src/shmkv/_\w+\.c", p):
             continue                 # Cython's output, generated
         if (p in _TOP or p.startswith(_TREES)
                 or (p.startswith("docs/") and p.endswith(".md"))):

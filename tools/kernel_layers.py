@@ -1,8 +1,8 @@
 """The C kernels' layering, checked: no file calls, declares or includes what a file above
 it defines.
 
-The order lives in one place, shmkv/kernels/layers.txt (bottom first).  This script reads
-every file of shmkv/kernels/, finds the functions and function-like macros each defines
+The order lives in one place, src/shmkv/kernels/layers.txt (bottom first).  This script reads
+every file of src/shmkv/kernels/, finds the functions and function-like macros each defines
 (text only: comments and strings stripped, brace depth followed), and reports every name
 a file uses that only a file *above* it defines, and every `#include "x"` of a file above.
 A file missing from layers.txt (or listed but missing) is an error too, so a new header
@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = os.path.join(ROOT, "shmkv", "kernels")
+KERNELS = os.path.join(ROOT, "src", "shmkv", "kernels")
 LAYERS = os.path.join(KERNELS, "layers.txt")
 SOURCES = (".h", ".c")
 

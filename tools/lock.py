@@ -19,7 +19,7 @@ The sets:
                  benchmark need
   tools          dist-check's tools venv and the isolated build of ``python -m build``
   compat-lowest  make test-compat's venvs: each integration at the lowest and the newest
-  compat-newest  version shmkv/_compat.py TESTED names (built from that table)
+  compat-newest  version src/shmkv/_compat.py TESTED names (built from that table)
 """
 import json
 import os
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from test_compat import _tested  # tools/: shmkv/_compat.py's TESTED, read without shmkv
+from test_compat import _tested  # tools/: src/shmkv/_compat.py's TESTED, read without shmkv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "constraints")

@@ -1,5 +1,5 @@
 """make test-compat: each integration's dependencies at the lowest and the newest version
-it is tested with (shmkv/_compat.py TESTED, the same ranges as pyproject's extras), in
+it is tested with (src/shmkv/_compat.py TESTED, the same ranges as pyproject's extras), in
 plain venvs, against one wheel of this checkout.
 
 Two venvs, each with every integration's dependency at one end of its range, everything
@@ -43,7 +43,7 @@ BASE = ["posix-ipc>=1.1", "pytest>=7.4", "hypothesis>=6.80", "ml_dtypes>=0.3"]
 
 
 def _tested():
-    spec = importlib.util.spec_from_file_location("_compat", os.path.join(ROOT, "shmkv",
+    spec = importlib.util.spec_from_file_location("_compat", os.path.join(ROOT, "src", "shmkv",
                                                                           "_compat.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -4,7 +4,7 @@ another process about to compute the same prefix can wait for it to be published
 instance).
 
 The marks live beside the segment, in the shared-memory object ``NAME.pending``
-(``/dev/shm/NAME.pending``; ``KVCache.unlink`` and ``shmkv unlink`` remove it with the
+(``/dev/shm/NAME.pending``; ``KVCache.unlink`` and ``shmkv rm`` remove it with the
 segment): a fixed open-addressing table of 4096 records ``(key, owner, 0, expires)``.
 
 * ``key`` names one block of one prefix: a 64-bit chain hash of the salt and every token up
