@@ -89,12 +89,9 @@ def base_env(constraints: str) -> dict:
 
 
 def run_quick_start(python: str, cwd: str, log: str) -> None:
-    path = os.path.join(tempfile.mkdtemp(prefix="shmkv-quick-"), "quick_start.py")
-    with open(path, "w") as f:
-        f.write(quick_start())
     with open(log, "w") as f:
-        # (no -I: the script's own folder and the cwd's imports are what a user gets)
-        r = subprocess.run([python, "-c", open(path).read()], cwd=cwd, stdout=f,
+        # python -c: the cwd is first on sys.path, as for a user typing it there
+        r = subprocess.run([python, "-c", quick_start()], cwd=cwd, stdout=f,
                            stderr=subprocess.STDOUT, timeout=300,
                            env=base_env("main.txt"))
     out = open(log).read()

@@ -41,8 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,35 +48,19 @@ import time
 import uuid
 from pathlib import Path
 
-N, GEN, SEED = 400, 12, 33           # the test's prompt length, answer length, torch seed
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-_VLLM_SHM = re.compile(r"^/dev/shm/(psm_[0-9a-f]+|sem\.mp-[A-Za-z0-9_]+)$")
+# the hybrid test's model and the vLLM tests' engine-group runner, not copies of them
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                "tests", "vllm"))
+from configs_helpers import tiny_gemma3  # noqa: E402
+from serve_helpers import run_group  # noqa: E402
+
+N, GEN = 400, 12                       # the test's prompt length and answer length
 
 
 def prompt() -> list:
     import numpy as np
 
     return np.random.default_rng(5).integers(100, 49000, N).tolist()
-
-
-def build_model(path: Path) -> str:
-    """The test's _tiny_gemma3, verbatim."""
-    import torch
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
-
-    from shmkv.models import smollm2_dir
-
-    tok = AutoTokenizer.from_pretrained(str(smollm2_dir()))
-    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=32, sliding_window=64, layer_types=LAYER_TYPES,
-                           max_position_embeddings=2048, initializer_range=0.1,
-                           tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                           eos_token_id=tok.eos_token_id, pad_token_id=0)
-    torch.manual_seed(SEED)
-    Gemma3ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def reference(path: str, p: list) -> list:
@@ -125,50 +107,6 @@ def engine(job_path: str, out_path: str) -> None:
 
 
 # ------------------------------------------------------------------ the parent
-def group_pids(pgid: int) -> list:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_bytes()
-                if int(stat[stat.rindex(b")") + 2:].split()[2]) == pgid:
-                    out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
-def mapped_shm(pids) -> set:
-    """(device, inode) of every /dev/shm file the processes ``pids`` map.  By inode, not by
-    name: glibc maps a POSIX semaphore under a temporary name it then unlinks, so a
-    ``sem.mp-*`` file shows in /proc/PID/maps as ``/dev/shm/sem.XXXXXX (deleted)``."""
-    found = set()
-    for pid in pids:
-        try:
-            text = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                found.add((os.makedev(major, minor), int(parts[4])))
-    return found
-
-
-def vllm_files() -> dict:
-    """(device, inode) -> path of the psm_* and sem.mp-* files in /dev/shm now."""
-    out = {}
-    for name in os.listdir("/dev/shm"):
-        if _VLLM_SHM.match("/dev/shm/" + name):
-            try:
-                st = os.lstat("/dev/shm/" + name)
-            except FileNotFoundError:
-                continue
-            out[(st.st_dev, st.st_ino)] = "/dev/shm/" + name
-    return out
-
-
 def run_engine(tmp: Path, tag: str, job: dict, cpus: str | None,
                omp_bind: str | None = None) -> tuple:
     jp, op, lp = tmp / f"{tag}.json", tmp / f"{tag}.out.json", tmp / f"{tag}.log"
@@ -180,33 +118,14 @@ def run_engine(tmp: Path, tag: str, job: dict, cpus: str | None,
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     if omp_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind
-    seen: set = set()
     t0 = time.monotonic()
     with open(lp, "w") as log:
         p = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
-        try:
-            while p.poll() is None and time.monotonic() - t0 < 600:
-                seen |= mapped_shm(group_pids(p.pid))
-                time.sleep(0.5)
-        finally:
-            seen |= mapped_shm(group_pids(p.pid))
-            try:
-                os.killpg(p.pid, signal.SIGKILL)     # the engine's own children too
-            except ProcessLookupError:
-                pass
-            p.wait()
-            while group_pids(p.pid) and time.monotonic() - t0 < 630:
-                time.sleep(0.2)
-            still = mapped_shm(int(d) for d in os.listdir("/proc") if d.isdigit())
-            for key, path in vllm_files().items():
-                if key in seen and key not in still:      # the engine's, now unused
-                    try:
-                        os.unlink(path)
-                    except FileNotFoundError:
-                        pass
+        # kills the engine's group, removes the /dev/shm files it left that nothing maps
+        rc = run_group(p, 600)
     out = json.loads(op.read_text()) if op.exists() else None
-    return p.returncode, out, time.monotonic() - t0, lp
+    return rc, out, time.monotonic() - t0, lp
 
 
 def main() -> int:
@@ -233,7 +152,7 @@ def main() -> int:
     modes = [m for m in a.modes.split(",") if m]
     assert set(modes) <= {"plain", "nohma", "shmkv"}, modes
     tmp = Path(tempfile.mkdtemp(prefix="repro-gemma3-"))
-    path = build_model(Path(a.model_dir) if a.model_dir else tmp / "tiny-gemma3")
+    path = tiny_gemma3(Path(a.model_dir) if a.model_dir else tmp / "tiny-gemma3")
     p = prompt()
     ref = reference(path, p)
     print(f"transformers' greedy answer: {ref}", flush=True)

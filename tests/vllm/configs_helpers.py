@@ -80,6 +80,29 @@ def model_dir() -> str:
     return str(smollm2_dir())
 
 
+GEMMA3_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def tiny_gemma3(path) -> str:
+    """A seeded tiny Gemma 3 (sliding 64 / full / sliding / full, 4 q / 2 kv heads, head_dim
+    32, untied embeddings, SmolLM2's tokenizer) saved at ``path`` (test_vllm_hybrid.py and
+    tools/repro_gemma3_zeros.py)."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = AutoTokenizer.from_pretrained(model_dir())
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, sliding_window=64, layer_types=GEMMA3_LAYER_TYPES,
+                           max_position_embeddings=2048, initializer_range=0.1,
+                           tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id, pad_token_id=0)
+    torch.manual_seed(33)
+    Gemma3ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 def prompt_ids(model: str, start: int, n: int) -> list[int]:
     """`n` token ids of Debian's GPL-3 text from character `start` (distinct starts give
     prompts with no common prefix)."""

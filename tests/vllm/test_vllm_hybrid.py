@@ -14,28 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from configs_helpers import model_dir, run_engine, unlink
+from configs_helpers import GEMMA3_LAYER_TYPES as LAYER_TYPES
+from configs_helpers import run_engine, tiny_gemma3, unlink
 from conftest import unique_name  # tests/conftest.py
 
 VB, BS, GEN, N = 128, 16, 12, 400
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-
-
-def _tiny_gemma3(path) -> str:
-    import torch
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
-
-    tok = AutoTokenizer.from_pretrained(model_dir())
-    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=32, sliding_window=64, layer_types=LAYER_TYPES,
-                           max_position_embeddings=2048, initializer_range=0.1,
-                           tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                           eos_token_id=tok.eos_token_id, pad_token_id=0)
-    torch.manual_seed(33)
-    Gemma3ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +27,7 @@ def hybrid_runs(tmp_path_factory):
     from shmkv.integrations.vllm import request_salt
 
     tmp = tmp_path_factory.mktemp("vllm-hybrid")
-    path = _tiny_gemma3(tmp / "tiny-gemma3")
+    path = tiny_gemma3(tmp / "tiny-gemma3")
     p = np.random.default_rng(5).integers(100, 49000, N).tolist()
     eng = {"dtype": "float32"}
     import torch

@@ -46,6 +46,7 @@ from serve_helpers import (
     connector_config,
     free_port,
     gpl_text,
+    mapped_vllm_shm,
     stream_completion,
 )
 from serve_helpers import check_kv as _check_kv
@@ -505,3 +506,24 @@ def test_stream_completion_without_engines():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_semaphores_an_engine_maps_are_found_by_inode():
+    """A POSIX semaphore is mapped under the temporary name glibc created it as (then
+    unlinked), never under its sem.mp-* name: the cleanup finds it by inode, and only
+    while a process maps it."""
+    import posix_ipc
+
+    name = f"/mp-{unique_name('sem')[-24:]}"
+    path = "/dev/shm/sem." + name[1:]
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, initial_value=1)
+    try:
+        maps = open(f"/proc/{os.getpid()}/maps").read()
+        assert path not in maps                       # so a match by name never saw it
+        assert path in mapped_vllm_shm([os.getpid()])
+        assert "/dev/shm/sem.mp-" not in "".join(mapped_vllm_shm([os.getppid()]))
+    finally:
+        sem.close()
+        posix_ipc.unlink_semaphore(name)
+    assert path not in mapped_vllm_shm([os.getpid()])
+
