@@ -66,7 +66,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -954,6 +954,9 @@ def main() -> None:
     ap.add_argument("--segment-gib", type=float, default=1.0)
     ap.add_argument("--workloads", default="sessions,qa,prefix,random")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--qa", default=None, metavar="USERS,ROUNDS,SYSTEM,PASSAGE,ANSWER",
+                    help="the qa workload's size (default: 10,4,1000,150,48; quick 4,2,600,"
+                         "100,24): users, rounds, system prompt, passage and answer tokens")
     ap.add_argument("--no-scale-out", dest="scale_out", action="store_false",
                     help="start the engines without --enable-scale-out")
     ap.add_argument("--connector-extra", default="",
@@ -976,12 +979,21 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 2)
     args.rounds = rounds
     wl = QUICK if args.quick else FULL
+    if args.qa:
+        try:
+            u, r, sy, q, a = (int(x) for x in args.qa.split(","))
+        except ValueError:
+            raise SystemExit(f"--qa: expected USERS,ROUNDS,SYSTEM,PASSAGE,ANSWER (five "
+                             f"integers), got {args.qa!r}") from None
+        wl = replace(wl, qa_users=u, qa_rounds=r, qa_system_tokens=sy,
+                                 qa_question_tokens=q, qa_answer_tokens=a)
     outdir = HERE / "out"
     outdir.mkdir(exist_ok=True)
     md_path = Path(args.out) if args.out else (outdir / "RESULTS_serve.md" if args.quick
                                                else HERE / "RESULTS_serve.md")
-    png_path = md_path.with_name("serve.png" if not args.quick else "serve_quick.png") \
-        if md_path.parent == HERE else md_path.with_suffix(".png")
+    png_path = (HERE / "serve.png" if md_path == HERE / "RESULTS_serve.md"
+                else outdir / "serve_quick.png" if md_path == outdir / "RESULTS_serve.md"
+                else md_path.with_name(md_path.stem.replace("RESULTS_", "") + ".png"))
     if args.json_out is None:
         args.json_out = str(outdir / ("serve_quick.json" if args.quick else "serve.json"))
     for p in (VPY, ROUTER):

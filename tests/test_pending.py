@@ -52,18 +52,25 @@ _OTHER = """
 import sys, time, numpy as np
 from shmkv.pending import PendingMarks, prefix_keys
 p = PendingMarks(sys.argv[1])
-p.claim(prefix_keys(np.arange(int(sys.argv[2])), 16, "s"), float(sys.argv[3]))
-print("ready", flush=True)
+eta = time.monotonic() + float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+p.claim(prefix_keys(np.arange(int(sys.argv[2])), 16, "s"), float(sys.argv[3]), eta=eta)
+print("ready", eta, flush=True)
 time.sleep(600)
 """
 
 
-def _other(name, tokens, ttl=30.0):
-    """Another process that marks ``tokens``' blocks pending and stays alive."""
+def _other(name, tokens, ttl=30.0, eta_in=None):
+    """Another process that marks ``tokens``' blocks pending and stays alive; with
+    ``eta_in``, its marks say it publishes them that many seconds from now (the
+    process's ``eta`` attribute: that time)."""
     assert tokens == list(range(len(tokens)))
-    proc = subprocess.Popen([sys.executable, "-c", _OTHER, name, str(len(tokens)), str(ttl)],
-                            cwd="/tmp", stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
+    argv = [sys.executable, "-c", _OTHER, name, str(len(tokens)), str(ttl)]
+    if eta_in is not None:
+        argv.append(str(eta_in))
+    proc = subprocess.Popen(argv, cwd="/tmp", stdout=subprocess.PIPE, text=True)
+    ready, eta = proc.stdout.readline().split()
+    assert ready == "ready"
+    proc.eta = float(eta)
     return proc
 
 
@@ -97,6 +104,47 @@ def test_another_process_sees_the_marks_and_cannot_take_them(seg):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_owners_estimate_of_when_it_publishes_is_read_by_the_others(seg):
+    """The eta an owner writes with its claim is what another process reads for the first
+    key it waits on; its own marks, unmarked keys and an unbelievable eta read 0."""
+    keys = prefix_keys(np.arange(64), 16, "s")
+    proc = _other(seg, list(range(64)), eta_in=7.5)
+    me = PendingMarks(seg)
+    try:
+        assert abs(me.eta(keys) - proc.eta) < 1e-5
+        assert abs(me.eta(keys[2:]) - proc.eta) < 1e-5
+        assert me.eta(prefix_keys(np.arange(64), 16, "other salt")) == 0.0   # not marked
+        assert me.eta([]) == 0.0
+        mine = prefix_keys(np.arange(200, 264), 16, "s")
+        assert me.claim(mine, 30.0, eta=time.monotonic() + 5) == 0
+        assert me.eta(mine) == 0.0                               # my own: nothing to wait for
+        # a refresh without an estimate keeps the last one; a new estimate replaces it
+        before = [r["eta"] for r in me._recs if int(r["key"]) == int(mine[0])][0]
+        assert me.claim(mine, 30.0) == 0
+        assert [r["eta"] for r in me._recs if int(r["key"]) == int(mine[0])][0] == before
+        assert me.claim(mine, 30.0, eta=time.monotonic() + 9) == 0
+        assert [r["eta"] for r in me._recs if int(r["key"]) == int(mine[0])][0] > before
+        # a hostile writer's eta (years away) is no estimate
+        me._recs["eta"][me._recs["owner"] != me.token] = 2**63 - 1
+        assert me.held(keys) == 4 and me.eta(keys) == 0.0
+        for bad in (-1.0, float("nan"), float("inf"), 2.0**40):
+            with pytest.raises(ValueError, match="eta"):
+                me.claim(mine, 30.0, eta=bad)
+    finally:
+        proc.kill()
+        proc.wait()
+        me.close()
+    # an owner that gave no estimate: 0
+    proc = _other(seg, list(range(64)))
+    me = PendingMarks(seg)
+    try:
+        assert me.held(keys) == 4 and me.eta(keys) == 0.0
+    finally:
+        proc.kill()
+        proc.wait()
+        me.close()
 
 
 def test_a_dead_owners_marks_are_no_marks(seg):

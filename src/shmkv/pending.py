@@ -5,7 +5,7 @@ instance).
 
 The marks live beside the segment, in the shared-memory object ``NAME.pending``
 (``/dev/shm/NAME.pending``; ``KVCache.unlink`` and ``shmkv rm`` remove it with the
-segment): a fixed open-addressing table of 4096 records ``(key, owner, 0, expires)``.
+segment): a fixed open-addressing table of 4096 records ``(key, owner, eta, expires)``.
 
 * ``key`` names one block of one prefix: a 64-bit chain hash of the salt and every token up
   to the block's end (:func:`prefix_keys`), never 0.
@@ -17,6 +17,11 @@ segment): a fixed open-addressing table of 4096 records ``(key, owner, 0, expire
   nothing there), or whose ``expires`` (``CLOCK_MONOTONIC``, one clock for the whole
   host) has passed, is no mark: it is reused by the next claim.  Nothing has to clean up
   after a killed process.
+* ``eta`` is the owner's own estimate of when it will have published the block
+  (``CLOCK_MONOTONIC`` in whole microseconds; 0: no estimate), from the prefill rate it
+  measured: a waiter that sees no new block for a while keeps waiting while a live owner
+  says it is still computing (:meth:`PendingMarks.eta`), up to its own bound.  Tables
+  written before the field existed hold 0 there: no estimate.
 * Every read and write happens under ``flock`` on the object's descriptor, which the
   kernel drops when its holder dies: a killed process never leaves the table locked.  A
   *stopped* one (Ctrl-Z, a debugger, ``docker pause``) can, so no wait for the lock is
@@ -69,7 +74,7 @@ OPEN_TIMEOUT = 1.0              # s: the longest opening waits for a table being
 VERSION = 2                     # the table's format (header and records)
 _MAGIC = 0x53484B5650454E44     # "SHKVPEND"
 _HEADER = 64                    # magic u64, slots u32, version u32, then zeros
-_REC = np.dtype([("key", "<u8"), ("owner", "<i8"), ("spare", "<u8"), ("expires", "<f8")])
+_REC = np.dtype([("key", "<u8"), ("owner", "<i8"), ("eta", "<u8"), ("expires", "<f8")])
 _SIZE = _HEADER + SLOTS * _REC.itemsize
 # an owner's token t (1 <= t < 2**40) is its OFD write lock on byte _OWNER_BASE + t of the
 # file: far past the table's bytes (a lock needs no bytes behind it)
@@ -427,21 +432,28 @@ class PendingMarks:
         self.timeouts += 1
         return False
 
-    def claim(self, keys: Sequence[int], ttl: float) -> int:
+    def claim(self, keys: Sequence[int], ttl: float, eta: float = 0.0) -> int:
         """If ``keys[0]`` is marked by another live owner: the number of leading keys so
         marked, and nothing changes (the caller waits or computes).  Else 0, and every key
         not marked by another owner is now marked by this one for at least ``ttl`` seconds
         (one critical section: of several claims of one new prefix, exactly one gets 0) --
         unless the table's lock was not had within :attr:`timeout`: then 0 too (a miss:
-        the caller computes), nothing is marked, and :attr:`timeouts` counts it."""
-        return self.claim_keys(keys, ttl)[0]
+        the caller computes), nothing is marked, and :attr:`timeouts` counts it.  ``eta``
+        (``time.monotonic`` seconds; 0: none) is when this owner expects to have published
+        the keys: written on every key it marks (a later estimate replaces an earlier one;
+        0 leaves it), read by waiters through :meth:`eta`."""
+        return self.claim_keys(keys, ttl, eta)[0]
 
-    def claim_keys(self, keys: Sequence[int], ttl: float) -> Tuple[int, List[int]]:
+    def claim_keys(self, keys: Sequence[int], ttl: float,
+                   eta: float = 0.0) -> Tuple[int, List[int]]:
         """As :meth:`claim`: ``(held, the keys this owner marks now)``."""
         if not len(keys):
             return 0, []
         if not 0 < ttl <= MAX_TTL:
             raise ValueError(f"ttl: expected 0 < ttl <= {MAX_TTL}, got {ttl}")
+        if not (eta == 0 or 0 < eta < 2 ** 40):     # seconds since boot; NaN fails both
+            raise ValueError(f"eta: expected 0 or a time.monotonic() time, got {eta}")
+        eta_us = int(eta * 1e6)
         if not self._lock(fcntl.LOCK_EX):
             return 0, []
         try:
@@ -460,12 +472,14 @@ class PendingMarks:
                         continue                    # another owner computes this one
                     # ours already (another request): keep the longer deadline
                     recs[s]["expires"] = max(float(recs[s]["expires"]), now + ttl)
+                    if eta_us:
+                        recs[s]["eta"] = eta_us
                     mine.append(k)
                     continue
                 slot = s if s >= 0 else free
                 if slot < 0:
                     continue                        # crowded: this key goes unmarked
-                recs[slot] = (k, self._token, 0, now + ttl)
+                recs[slot] = (k, self._token, eta_us, now + ttl)
                 mine.append(k)
             return 0, mine
         finally:
@@ -480,6 +494,29 @@ class PendingMarks:
             return 0
         try:
             return self._leading(keys, time.monotonic(), {})
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def eta(self, keys: Sequence[int]) -> float:
+        """When the owner of ``keys[0]``, if another live owner marks it, expects to have
+        published it (``time.monotonic`` seconds), as that owner wrote it; 0.0 if it is
+        not so marked, the owner gave no estimate, the estimate is not believable
+        (more than :data:`MAX_TTL` away from now) or the lock was not had within
+        :attr:`timeout` (counted).  A waiter's hint, never a promise: it bounds the wait
+        by its own rules."""
+        if not len(keys):
+            return 0.0
+        if not self._lock(fcntl.LOCK_SH):
+            return 0.0
+        try:
+            now = time.monotonic()
+            alive: Dict[int, bool] = {}
+            s, _ = self._find(int(keys[0]), now, alive)
+            rec = self._recs[s] if s >= 0 else None
+            if rec is None or self._mine(rec) or not self._live(rec, now, alive):
+                return 0.0
+            eta = int(rec["eta"]) / 1e6
+            return eta if abs(eta - now) <= MAX_TTL else 0.0
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
@@ -586,12 +623,22 @@ class EngineMarks:
                 self._failed("reading the marks", e)
         return 0
 
-    def claim(self, keys: Sequence[int], ttl: float, holder: object = None) -> int:
+    def eta(self, keys: Sequence[int]) -> float:
+        """As :meth:`PendingMarks.eta`; off: 0.0."""
+        if self.marks is not None:
+            try:
+                return self.marks.eta(keys)
+            except Exception as e:
+                self._failed("reading the marks", e)
+        return 0.0
+
+    def claim(self, keys: Sequence[int], ttl: float, holder: object = None,
+              eta: float = 0.0) -> int:
         """As :meth:`PendingMarks.claim`; off: 0, nothing marked.  With ``holder``, the
         keys marked are counted as that holder's (see the class docstring)."""
         if self.marks is not None:
             try:
-                held, mine = self.marks.claim_keys(keys, ttl)
+                held, mine = self.marks.claim_keys(keys, ttl, eta)
             except Exception as e:
                 self._failed("marking", e)
                 return 0

@@ -15,7 +15,10 @@ carries for it.  One JSON command per line in, one JSON answer per line out:
 - ``{"op": "set", "pending_stall": s, "slow": bool}`` -- the connector's stall bound, and
   whether every pending-marks operation answers 0.3 s late (after the table's lock is let
   go), so that two engines' lookups of one prefix interleave: each decides before the
-  other marks.
+  other marks; it also forgets the prefill rate the engine measured;
+- ``{"op": "step", "tokens": n, "seconds": s}`` -- one engine step of ``n`` scheduled
+  tokens that takes ``s`` seconds (``build_connector_meta`` ... ``update_connector_output``);
+  ``{"spt": the prefill seconds per token the connector measured}``.
 
 argv: segment, JSON of extra connector keys.
 """
@@ -106,12 +109,25 @@ def main() -> None:
                     num_computed_tokens=[]),
                 num_scheduled_tokens={})
             conn.build_connector_meta(so)
+        elif op == "step":
+            so = types.SimpleNamespace(
+                preempted_req_ids=set(), scheduled_new_reqs=[],
+                scheduled_cached_reqs=types.SimpleNamespace(
+                    req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                    num_computed_tokens=[]),
+                num_scheduled_tokens={}, total_num_scheduled_tokens=int(cmd["tokens"]))
+            conn.build_connector_meta(so)
+            time.sleep(float(cmd["seconds"]))
+            conn.update_connector_output(types.SimpleNamespace(kv_cache_events=None,
+                                                               invalid_block_ids=None))
+            out["spt"] = conn._spt
         elif op == "finish":
             conn.request_finished(request(cmd["rid"]), [])
         elif op == "marks":
             out["claimed"] = {rid: conn._pending.claimed(rid) for rid in reqs}
         elif op == "set":
             conn._pending_stall = float(cmd["pending_stall"])
+            conn._spt = None
             SLOW = bool(cmd["slow"])
         elif op == "stats":
             out.update(conn._iv.data["c"])       # this interval's counters

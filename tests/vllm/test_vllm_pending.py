@@ -9,7 +9,10 @@ preemptions, finished requests -- on one segment.
 - an engine's marks are shared by its requests: the first of two to finish leaves the
   other's; a preempted request's marks are dropped at once;
 - a waiter waits while the prefix keeps being published, and stops waiting once nothing
-  new has been published for ``pending_stall`` seconds (not ``pending_wait``).
+  new has been published for ``pending_stall`` seconds (not ``pending_wait``);
+- a waiter waits through the owner's one long prefill step (nothing published for longer
+  than ``pending_stall``) as long as the owner's estimate, from the prefill rate it
+  measured, says; once past it, it computes.
 
 A real ``vllm serve`` fleet's burst is in test_vllm_serve.py."""
 from __future__ import annotations
@@ -222,3 +225,57 @@ def _waits(x, y, kv, salt):
             assert timeouts == 0                # it never gave up
         else:
             assert timeouts == 1
+
+
+def test_a_waiter_waits_through_one_long_prefill_step_until_the_owners_estimate(fleet):
+    """``pending_stall`` 1 s.  X has measured its prefill rate (a step of 64 tokens in
+    0.15 s) and runs a request of ~1064 new tokens: its marks say it publishes them in about
+    1.5 x rate x tokens + stall (~4.7 s).  Computing a long prompt in one step, X publishes
+    all of it at once after 3 s: Y, which saw nothing new for 3 s (three times its stall
+    bound), waited and loads all of it.  When X publishes nothing, Y computes once X's
+    estimate has passed, not at its stall bound and not at ``pending_wait``.  (Judged by the
+    stall bound alone, Y recomputed the prompt after 1 s: what a CPU engine's long prefill
+    steps did to a fleet's shared system prompt.)"""
+    import shmkv
+    from shmkv.integrations.vllm import request_salt
+
+    x, y, seg = _engines(fleet, stall=1)
+    spt = x("step", tokens=64, seconds=0.15)["spt"]
+    assert spt is not None and 0.15 / 64 <= spt < 1.0 / 64, spt
+    kv = shmkv.KVCache.attach(seg)
+    salt = request_salt(_model_dir(), None, None)
+    try:
+        timeouts0 = y("stats").get("pending_timeouts", 0)
+        for k, published in enumerate((8, 0)):
+            tokens = _prompt(20 + k, 8, 0)
+            est = 1.5 * spt * len(tokens) + 1           # X's estimate, from its alloc
+            rx, ry = f"e{k}", f"f{k}"
+            assert x("lookup", rid=rx, tokens=tokens)["n"] == 0
+            t_alloc = time.monotonic()
+            x("alloc", rid=rx)
+            assert y("lookup", rid=ry, tokens=_prompt(20 + k, 8, 1))["n"] is None
+            errors: list = []
+            # one long step: every block published together, 3 s after X started
+            pub = threading.Thread(target=_publish, args=(
+                kv, salt, tokens, range(published), 0, errors))
+            timer = threading.Timer(3.0 - (time.monotonic() - t_alloc), pub.start)
+            timer.start()
+            got = y("until_runs", rid=ry, poll=0.05, bound=90)
+            timer.join()
+            if published:
+                pub.join(60)
+            assert not errors, errors
+            timeouts = y("stats").get("pending_timeouts", 0) - timeouts0
+            if published:
+                assert got["n"] == 8 * VB, got      # it waited for the step: all loaded
+                assert got["seconds"] >= 2.5 and timeouts == 0, (got, timeouts)
+            else:
+                assert got["n"] == 0, got            # computes it itself
+                # not at its 1-s stall bound, by X's estimate (less what passed before Y
+                # asked), and long before pending_wait (120 s here)
+                assert est - 1.0 <= got["seconds"] <= est + 5, (got, est)
+                assert timeouts == 1
+            x("finish", rid=rx)
+            y("finish", rid=ry)
+    finally:
+        kv.close()

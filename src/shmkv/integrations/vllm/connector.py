@@ -118,6 +118,11 @@ class _ReqState:
 
 # seconds a request's blocks are marked pending between its lookup and its allocation
 _TENTATIVE_TTL = 2.0
+# the prefill rate behind a claim's estimate of when it is published: steps of at least
+# this many tokens are measured (shorter ones are mostly fixed cost); the estimate is this
+# many times what the rate says, plus pending_stall
+_RATE_MIN_TOKENS = 32
+_ETA_MARGIN = 1.5
 
 
 def _missing_package(dtype: str) -> Optional[str]:
@@ -149,9 +154,10 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
     default ``$SHMKV_TIER``), ``tier_cluster``, ``tier_timeout``, ``tier_wait`` (tier.py),
     ``pending`` (default true: mark prefixes being computed, wait for other instances'),
     ``pending_wait`` (seconds a request waits for another instance's prefix at most;
-    default 10), ``pending_stall`` (seconds it waits while no new block of that prefix is
-    published, then computes it itself; default 2: above the longest prefill step of the
-    engine that computes it), ``pending_ttl`` (seconds a mark lasts at most; default 120),
+    default 30), ``pending_stall`` (seconds it waits while no new block of that prefix is
+    published and the instance computing it is past its own estimate of when it publishes
+    -- from the prefill rate it measured -- then computes it itself; default 2),
+    ``pending_ttl`` (seconds a mark lasts at most; default 120),
     ``pending_lock_timeout`` (seconds a step waits at most for the marks' lock, then answers
     "no marks"; default 0.05), ``lock_timeout`` (seconds a step's call waits at most for
     the segment's pool lock, then goes on without the cache -- a miss, a dropped save --
@@ -168,7 +174,7 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         self._model_id = str(extra.get("model_id") or mc.model)
         self._save_on = bool(extra.get("save", True))
         self._load_on = bool(extra.get("load", True))
-        self._pending_wait = float(extra.get("pending_wait", 10.0))
+        self._pending_wait = float(extra.get("pending_wait", 30.0))
         self._pending_stall = float(extra.get("pending_stall", 2.0))
         self._pending_ttl = float(extra.get("pending_ttl", 120.0))
         self._pending_lock_timeout = float(extra.get("pending_lock_timeout", LOCK_TIMEOUT))
@@ -190,6 +196,8 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         self._pending: Optional[EngineMarks] = None
         self._pending_lock_timeouts = 0       # of those, already counted in self._iv
         self._sched_events: Optional[ShmkvKVEvents] = None
+        self._step: Optional[tuple[float, int]] = None    # this step's (start, tokens)
+        self._spt: Optional[float] = None     # measured prefill seconds per token
         # worker side
         self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._layout: Optional[CpuLayout] = None
@@ -370,7 +378,11 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
             elif hit > st.wait_hit:                          # the owner publishes: progress
                 st.wait_hit, st.progress_at = hit, now
             waited, stalled = now - st.wait_since, now - st.progress_at
-            if waited < self._pending_wait and stalled < self._pending_stall:
+            if waited < self._pending_wait and (
+                    stalled < self._pending_stall
+                    # no new block for a while, but the owner (alive: it marks) says it is
+                    # still computing them: its estimate, from its own prefill rate
+                    or now < self._pending.eta(st.keys[first:limit // bs])):
                 return True
             st.gave_up = True                                # waited enough: compute it
             self._iv.count("pending_timeouts")
@@ -381,12 +393,12 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
             self._claim(st, min(self._pending_ttl, _TENTATIVE_TTL))
         return False
 
-    def _claim(self, st: _ReqState, ttl: float) -> int:
+    def _claim(self, st: _ReqState, ttl: float, eta: float = 0.0) -> int:
         """Claim the request's claim range; what :meth:`EngineMarks.claim` answers (0: the
         range is this request's, marked pending, unless the lock was busy)."""
         assert self._pending is not None and st.keys is not None and st.claim_range
         keys = st.keys[st.claim_range[0]:st.claim_range[1]]
-        held = self._pending.claim(keys, ttl, holder=st.request.request_id)
+        held = self._pending.claim(keys, ttl, holder=st.request.request_id, eta=eta)
         if held == 0:
             st.claimed = keys if st.claimed is None else np.union1d(st.claimed, keys)
         return held
@@ -397,7 +409,14 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         if st is None:
             return
         if self._marks_on() and st.claim_range is not None:
-            self._claim(st, self._pending_ttl)      # it runs now: pending until published
+            # it runs now: pending until published, which it expects by the time its
+            # measured prefill rate gives for the rest of the prompt (waiters read it)
+            eta = 0.0
+            if self._spt is not None:
+                todo = st.request.num_prompt_tokens - st.claim_range[0] * self._bs
+                eta = (time.monotonic() + _ETA_MARGIN * self._spt * max(todo, 0)
+                       + self._pending_stall)
+            self._claim(st, self._pending_ttl, eta)
         st.claim_range = None
         if num_external_tokens <= 0 or st.load is None:
             st.load = None
@@ -407,6 +426,10 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
             self._iv.count("lookup_hit_tokens", num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        # the step starts: timed until its output comes back (update_connector_output;
+        # vLLM's CPU platform schedules synchronously: one step at a time)
+        self._step = (time.monotonic(),
+                      int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
         meta = ShmkvConnectorMetadata()
         vb = self._vb
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -473,7 +496,14 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks the worker could not load were computed from garbage in that step and
-        are recomputed by vLLM: they are not in the segment, so plan to save them again."""
+        are recomputed by vLLM: they are not in the segment, so plan to save them again.
+        Also the end of a step: the prefill rate behind the claims' estimates."""
+        if self._step is not None:
+            (t0, n), self._step = self._step, None
+            dt = time.monotonic() - t0
+            if n >= _RATE_MIN_TOKENS and 0 < dt < 600:
+                spt = dt / n
+                self._spt = spt if self._spt is None else 0.5 * (self._spt + spt)
         ev = getattr(connector_output, "kv_cache_events", None)
         if isinstance(ev, ShmkvKVEvents):
             if self._sched_events is None:
