@@ -1105,6 +1105,37 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def workload_lines(wl: WL, args) -> list[str]:
+    """The report's description of each workload this run measured."""
+    lines = {
+        "sessions": (
+            f"- **sessions**: {wl.sessions} chats over {wl.systems} system prompts of ~"
+            f"{wl.system_tokens} tokens, {wl.turns} turns, {wl.answer_tokens}-token answers; turn "
+            "t+1's prompt is the whole chat including the fleet's own answers; one `vllm bench "
+            f"serve --dataset-name custom` per turn at {wl.session_rate} req/s, sessions shuffled "
+            "per turn. Working set: the system prompts plus every session's history (~"
+            f"{wl.systems * wl.system_tokens + wl.sessions * wl.turns * (wl.answer_tokens + 20)}"
+            f" tokens at the last turn) against {args.instance_blocks * 128} tokens per instance."),
+        "qa": (
+            f"- **qa**: multi-round QA (LMCache's workload, scaled to this machine): "
+            f"{wl.qa_users} users x {wl.qa_rounds} rounds, one shared system prompt of ~"
+            f"{wl.qa_system_tokens} tokens, each round a question about a ~"
+            f"{wl.qa_question_tokens}-token passage of the user's own, {wl.qa_answer_tokens}-"
+            "token answers kept in the history (one `vllm bench serve --dataset-name custom` "
+            f"per round at {wl.qa_rate} req/s, users shuffled per round)."),
+        "prefix": (
+            f"- **prefix**: `--dataset-name prefix_repetition`, {wl.prefix_num} prefixes of "
+            f"{wl.prefix_len} tokens, suffix {wl.prefix_suffix}, {wl.prefix_out} out, "
+            f"{wl.prefix_prompts} requests at {wl.prefix_rate}/s."),
+        "random": (
+            f"- **random**: `--dataset-name random`, {wl.random_prompts} requests of "
+            f"{wl.random_in} tokens, {wl.random_out} out, all at once with `--max-concurrency "
+            f"{wl.random_concurrency}` (no reuse; the fleet saturated, so requests/s and output "
+            "tokens/s are its capacity: the connector's overhead)."),
+    }
+    return [lines[w] for w in args.workloads if w in lines]
+
+
 def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> str:
     v = info.get("versions", {})
     L = ["# A vLLM fleet on shmkv: `vllm serve` x2 behind vllm-router (benchmarks/serve_bench.py)",
@@ -1133,26 +1164,7 @@ def report(rows, notes, info, wl, args, started, lb, la, ob, oa, total, png) -> 
          "`vllm bench serve`, `--temperature 0 --ignore-eos`, Poisson arrivals.",
          "",
          "Workloads:",
-         f"- **sessions**: {wl.sessions} chats over {wl.systems} system prompts of ~"
-         f"{wl.system_tokens} tokens, {wl.turns} turns, {wl.answer_tokens}-token answers; turn "
-         "t+1's prompt is the whole chat including the fleet's own answers; one `vllm bench "
-         f"serve --dataset-name custom` per turn at {wl.session_rate} req/s, sessions shuffled "
-         "per turn. Working set: the system prompts plus every session's history (~"
-         f"{wl.systems * wl.system_tokens + wl.sessions * wl.turns * (wl.answer_tokens + 20)}"
-         f" tokens at the last turn) against {args.instance_blocks * 128} tokens per instance.",
-         f"- **qa**: multi-round QA (LMCache's workload, scaled to this machine): "
-         f"{wl.qa_users} users x {wl.qa_rounds} rounds, one shared system prompt of ~"
-         f"{wl.qa_system_tokens} tokens, each round a question about a ~"
-         f"{wl.qa_question_tokens}-token passage of the user's own, {wl.qa_answer_tokens}-"
-         "token answers kept in the history (one `vllm bench serve --dataset-name custom` "
-         f"per round at {wl.qa_rate} req/s, users shuffled per round).",
-         f"- **prefix**: `--dataset-name prefix_repetition`, {wl.prefix_num} prefixes of "
-         f"{wl.prefix_len} tokens, suffix {wl.prefix_suffix}, {wl.prefix_out} out, "
-         f"{wl.prefix_prompts} requests at {wl.prefix_rate}/s.",
-         f"- **random**: `--dataset-name random`, {wl.random_prompts} requests of "
-         f"{wl.random_in} tokens, {wl.random_out} out, all at once with `--max-concurrency "
-         f"{wl.random_concurrency}` (no reuse; the fleet saturated, so requests/s and output "
-         "tokens/s are its capacity: the connector's overhead).",
+         *workload_lines(wl, args),
          "",
          "Cached share: (`vllm:prefix_cache_hits` + `vllm:external_prefix_cache_hits`) / "
          "`vllm:prompt_tokens`, summed over the instances' `/metrics`; local = vLLM's own "
