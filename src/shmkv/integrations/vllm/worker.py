@@ -38,7 +38,7 @@ from .faults import _fault
 from .layout import CpuLayout, probe_layout
 from .metadata import LoadOp, SaveOp, ShmkvConnectorMetadata
 from .segment import check_fp8_scales, vllm_kv_scales
-from .tp import rank_heads, tp_load, tp_save
+from .tp import SOLO, TPRank, rank_heads
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.forward_context import ForwardContext
@@ -204,45 +204,77 @@ class _WorkerHalf:
             pass
 
     def _load(self, op: LoadOp) -> None:
-        if self._tp is not None:            # this rank's slice of the heads (tp.py)
-            before = self.stats["loaded_tokens"]
-            tp_load(self, op)
-            good = op.start + int(self.stats["loaded_tokens"] - before)
-            self._account_load(op, good)
-            return
-        kv, vb = self._kv, self._vb
-        good = op.start
-        sid = None
-        try:
-            if kv is None or self._layout is None:   # (the scheduler's half may be on)
-                raise RuntimeError("loading is off in this worker")
-            if _fault(op.salt, "reset_before_load"):
-                kv.reset_prefix_cache()
-            sid = kv.create_sequence(tokens=op.tokens, salt=op.salt)
-            have = min(kv.seq_len(sid), op.end) // self._bs * self._bs
-            if have > op.start:
-                table = torch.from_numpy(kv.block_table(sid).astype(np.int64))
-                bs = self._bs
-                src = table[op.start // bs:have // bs]
-                vblk, sub = self._pieces(op.block_ids, op.start, have)
-                for t, kp, vp in self._layers:
-                    self._layout.copy(t, kp, vp, bs, src, vblk, sub, to_vllm=True)
-                good = have
-        except Exception as e:
-            if not self._lock_failed(e):
-                log.warning("shmkv: load of %s failed (%s: %s); recomputing", op.req_id,
-                            type(e).__name__, e)
-        finally:
-            if sid is not None:
-                self._free(sid)
+        """Loads what the scheduler planned (``op``) into vLLM's blocks, and accounts for
+        it: what could not be loaded is reported to vLLM, which recomputes it."""
+        good = self._copy_in(op)
         self.stats["loaded_tokens"] += good - op.start
         self._account_load(op, good)
         if good < op.end:
-            failed = op.block_ids[(good - op.start) // vb:]
-            self._load_errors.update(failed)
+            self._load_errors.update(op.block_ids[(good - op.start) // self._vb:])
             self._short_reqs.add(op.req_id)
             self.stats["load_shortfall_tokens"] += op.end - good
             self.stats["load_errors"] += 1
+
+    def _copy_in(self, op: LoadOp) -> int:
+        """Copies this rank's slice of ``op``'s blocks from the segment; the end of what
+        every rank loaded (``op.start``: nothing).  Each rank pins what the segment holds of
+        the tokens (``create_sequence(tokens=)``: a published block has every slice), the
+        ranks agree on the shortest hit (a block evicted between two ranks' pins is loaded
+        by none), each copies its slice, and the load counts only if every rank's copy went
+        through (tp.py; a single rank's collectives are no-ops)."""
+        tp: TPRank = self._tp or SOLO
+        kv, bs = self._kv, self._bs
+        sid = None
+        have = op.start
+        try:
+            if kv is None or self._layout is None:   # (the scheduler's half may be on)
+                raise RuntimeError("loading is off in this worker")
+            if _fault(op.salt, "reset_before_load") and tp.rank == 0:
+                kv.reset_prefix_cache()
+            sid = kv.create_sequence(tokens=op.tokens, salt=op.salt)
+            have = max(op.start, min(kv.seq_len(sid), op.end) // bs * bs)
+        except Exception as e:
+            self._warn_failed("load", op, tp, e, "; recomputing")
+        good = op.start
+        try:
+            have = tp._min(have)                # what every rank holds pinned
+            if have > op.start:
+                ok = 1
+                try:
+                    assert kv is not None and sid is not None
+                    table = torch.from_numpy(kv.block_table(sid).astype(np.int64))
+                    self._copy_layers(tp, table[op.start // bs:have // bs],
+                                      *self._pieces(op.block_ids, op.start, have), True)
+                except Exception as e:
+                    ok = 0
+                    self._warn_failed("load", op, tp, e, "; recomputing")
+                if tp._min(ok):
+                    good = have
+        finally:
+            if sid is not None:
+                self._free(sid)
+        return good
+
+    def _warn_failed(self, what: str, op: Any, tp: TPRank, e: BaseException,
+                     then: str = "") -> None:
+        """One line in vLLM's log for a failed load, save or commit (a pool-lock timeout
+        is counted and said once a minute instead: ``_lock_failed``)."""
+        if not self._lock_failed(e):
+            where = f" on rank {tp.rank}" if tp.size > 1 else ""
+            log.warning("shmkv: %s of %s failed%s (%s: %s)%s", what, op.req_id, where,
+                        type(e).__name__, e, then)
+
+    def _copy_layers(self, tp: TPRank, shm: torch.Tensor, vblk: torch.Tensor,
+                     sub: torch.Tensor, to_vllm: bool, fault_half: bool = False) -> None:
+        """This rank's head slice of every layer, between shmkv blocks ``shm`` and vLLM's
+        pieces ``(vblk, sub)``."""
+        assert self._layout is not None
+        h0 = tp.head0(self._layers[0][0].shape[1]) if self._layers else 0
+        half = len(self._layers) // 2
+        for i, (t, kp, vp) in enumerate(self._layers):
+            if fault_half and i == half:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self._layout.copy(t, kp, vp, self._bs, shm, vblk, sub, to_vllm=to_vllm, head0=h0)
 
     def _account_load(self, op: LoadOp, good: int) -> None:
         """This interval's figures and events for a load that delivered [start, good)."""
@@ -331,47 +363,88 @@ class _WorkerHalf:
         self._dump_stats()
 
     def _save(self, op: SaveOp, finished: bool = True) -> None:
-        if self._tp is not None:            # this rank's slice of the heads (tp.py)
-            saved, errors = self.stats["saved_tokens"], self.stats["save_errors"]
-            tp_save(self, op, finished)
-            if self.stats["save_errors"] > errors:
-                self._iv.count("save_errors", self.stats["save_errors"] - errors)
-            n = int(self.stats["saved_tokens"] - saved)
-            if n > 0:
-                self._account_save(op, len(op.tokens) - n, len(op.tokens))
-            return
-        kv, bs = self._kv, self._bs
-        assert self._layout is not None and kv is not None
-        end = len(op.tokens)
-        sid = None
-        try:
-            padded = np.append(op.tokens, np.int32(0))
-            sid = kv.create_sequence(tokens=padded, salt=op.salt)
-            have = kv.seq_len(sid)              # already published (bs-aligned)
-            if have >= end:
-                return
-            kv.reserve(sid, end - have, tokens=op.tokens[have:])
-            table = torch.from_numpy(kv.block_table(sid).astype(np.int64))
-            dst = table[have // bs:end // bs]
-            vblk, sub = self._pieces(op.block_ids, 0, end)
-            vblk, sub = vblk[have // bs:], sub[have // bs:]
-            half = len(self._layers) // 2
-            for i, (t, kp, vp) in enumerate(self._layers):
-                if i == half and _fault(op.salt, "kill_mid_save"):
-                    os.kill(os.getpid(), signal.SIGKILL)
-                self._layout.copy(t, kp, vp, bs, dst, vblk, sub, to_vllm=False)
-            kv.commit(sid)                      # every byte written: now findable
-            self.stats["saved_tokens"] += end - have
-            self._account_save(op, have, end)
-        except Exception as e:                  # full pool, foreign segment...: a miss later
+        """Publishes ``op``'s new blocks and accounts for it (a failure is a miss later,
+        never vLLM's error)."""
+        have, end, ok = self._copy_out(op, finished)
+        if not ok:
             self.stats["save_errors"] += 1
             self._iv.count("save_errors")
-            if not self._lock_failed(e):
-                log.warning("shmkv: save of %s failed (%s: %s)", op.req_id,
-                            type(e).__name__, e)
+        elif end > have:
+            self.stats["saved_tokens"] += end - have
+            self._account_save(op, have, end)
+
+    def _copy_out(self, op: SaveOp, finished: bool) -> tuple[int, int, bool]:
+        """Copies this rank's slice of ``op``'s new blocks into the segment and publishes
+        them once every rank's slice is written: ``(have, end, ok)``, the tokens the
+        segment held already, the end of ``op``, and whether it went through (a rank that
+        failed counts it; ``have == end``: nothing new, nothing done).  ``finished``: this
+        rank's forward completed; a rank whose forward did not votes no and nothing is
+        published, every rank still taking part in the collectives.
+
+        Rank 0 does the segment's bookkeeping -- ``create_sequence`` (what is published
+        already), ``reserve(tokens=)`` of the new blocks -- and forks the sequence once
+        per other rank; it shares the new blocks' ids and the forks'; rank r adopts fork r
+        (a reference of its own to the blocks it writes) and copies its head slice; rank 0
+        commits only when every rank's slice is written (tp.py; a single rank's
+        collectives are no-ops)."""
+        tp: TPRank = self._tp or SOLO
+        kv, bs = self._kv, self._bs
+        assert kv is not None
+        end = len(op.tokens)
+        sid = mine = None           # rank 0's sequence; the fork this rank adopted (> 0)
+        forks: list[int] = []
+        table: list[int] = []
+        hdr = [-1, 0]               # [have, new blocks]; have -1: rank 0 failed, skip
+        if tp.rank == 0:
+            try:
+                sid = kv.create_sequence(tokens=np.append(op.tokens, np.int32(0)),
+                                         salt=op.salt)
+                have = kv.seq_len(sid)          # already published (bs-aligned)
+                if have < end:
+                    kv.reserve(sid, end - have, tokens=op.tokens[have:])
+                    table = kv.block_table(sid)[have // bs:end // bs].tolist()
+                    for _ in range(tp.size - 1):    # one by one: a failed fork leaves the
+                        forks.append(kv.fork(sid))  # earlier ones in the list, freed below
+                hdr = [have, len(table)]
+            except Exception as e:          # full pool, foreign segment...: a miss later
+                self._warn_failed("save", op, tp, e)
+        try:
+            have, n = tp._bcast(hdr)
+            if have < 0:
+                return 0, 0, tp.rank != 0       # rank 0 failed (and counts it)
+            if n == 0:
+                return have, have, True         # nothing new
+            body = tp._bcast(table + forks if tp.rank == 0 else [0] * (n + tp.size - 1))
+            ok = int(finished)
+            try:
+                if tp.rank > 0:
+                    mine = body[n + tp.rank - 1]
+                    kv.adopt(mine)      # a reference of this rank's own to what it writes
+                vblk, sub = self._pieces(op.block_ids, 0, end)
+                vblk, sub = vblk[have // bs:], sub[have // bs:]
+                if n != len(vblk):
+                    raise ValueError(f"{n} new shmkv blocks for {len(vblk)} pieces")
+                if finished:
+                    self._copy_layers(tp, torch.tensor(body[:n], dtype=torch.int64), vblk,
+                                      sub, False, fault_half=tp.rank == tp.size - 1
+                                      and _fault(op.salt, "kill_mid_save"))
+            except Exception as e:
+                ok = 0
+                self._warn_failed("save", op, tp, e)
+            ok = tp._min(ok)                    # every slice written?
+            if ok and tp.rank == 0:
+                try:
+                    kv.commit(sid)              # every byte written: now findable
+                except Exception as e:          # a LockTimeout...: a miss later
+                    ok = 0
+                    self._warn_failed("commit", op, tp, e)
+            return have, end, bool(ok)
         finally:
-            if sid is not None:
-                self._free(sid)
+            for f in forks:             # the ones no rank adopted are still this process's
+                self._free(f, only_if_mine=True)
+            for s in (sid, mine):
+                if s is not None:
+                    self._free(s)       # committed blocks stay cached
 
     def _account_save(self, op: SaveOp, have: int, end: int) -> None:
         """This interval's figures and events for a save that published [have, end)."""
