@@ -410,6 +410,50 @@ def test_hash_seed(seg_name):
         _unlink(name)
 
 
+def test_the_tier_port_is_all_the_tier_does_to_the_cache(seg_name):
+    """set_tier hands the tier one TierPort (pin, count, hashes, layout); it holds the cache
+    weakly, and the tier's sources reach nothing private of a cache but through it."""
+    import ast
+    import gc
+
+    import shmkv.tier
+    from shmkv._prefix import TierPort
+
+    c = shmkv.KVCache.create(seg_name, shmkv.CacheConfig(**CFG), hash_seed=SEED)
+    try:
+        port = TierPort(c)
+        assert port.layout() == c._tier_layout() and port.layout()["hash_seed"] == SEED
+        toks = np.arange(3 * CFG["block_size"] + 1, dtype=np.int32)
+        assert (port.hashes(toks, "s") == c._tier_hashes(toks, "s")).all()
+        sid, n = port.pin(np.ascontiguousarray(port.hashes(toks, "s")))
+        assert sid >= 0 and n == 0                      # nothing published: nothing taken
+        c.free(sid)
+        before = c.stats()["tier_hits"]
+        port.count(hits=2, bytes_in=10)
+        assert c.stats()["tier_hits"] == before + 2 and c.stats()["tier_bytes_in"] >= 10
+    finally:
+        c.close()
+        c.unlink()
+    del c
+    gc.collect()
+    with pytest.raises(ValueError, match="gone"):
+        port.layout()
+    root = os.path.dirname(shmkv.tier.__file__)
+    private = []
+    for f in sorted(os.listdir(root)):
+        if not f.endswith(".py"):
+            continue
+        with open(os.path.join(root, f), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_tier_")
+                    or isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in ("cache", "target", "kv")
+                    and node.attr.startswith("_")):
+                private.append(f"{f}:{node.lineno}: .{node.attr}")
+    assert not private, private
+
+
 def test_checksum_and_codec_reject_everything_but_the_value():
     from shmkv._prefix import tier_checksum
     from shmkv.tier.codec import Layout
@@ -601,6 +645,7 @@ def test_float8_hosts_with_other_scale_tables_do_not_share(hosts, cluster):
 def test_a_bad_scale_in_an_int8_value_is_a_miss(hosts, cluster, damage):
     """A flipped scale byte fails the checksum; a NaN scale under a valid checksum (a
     hostile writer) is refused by append: both a counted miss, nothing lands."""
+    from shmkv._prefix import TierPort
     from shmkv.tier.codec import HEADER, Layout
 
     a, b = hosts(dtype="int8"), hosts(dtype="int8")
@@ -610,7 +655,7 @@ def test_a_bad_scale_in_an_int8_value_is_a_miss(hosts, cluster, damage):
     toks = np.arange(900, 917)                              # 2 full blocks
     prefill(a, toks)
     assert a.flush_tier(10) == 2
-    lay = Layout.of(b)
+    lay = Layout.of(b, TierPort(b))
     assert lay.sc_bytes and lay.size == HEADER + 4 * lay.block_size + b.config.bytes_per_block
     h = b._tier_hashes(toks)
     key = lay.key(int(h[1, 0]), int(h[1, 1]))               # the second block

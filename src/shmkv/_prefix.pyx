@@ -18,9 +18,12 @@ The remote tier's hooks (shmkv/tier/ holds the tier itself): set_tier / flush_ti
 tier counters (relaxed atomic adds), the write-through hook that hands the hashes of
 blocks just published to the tier's queue (_tier_published: no copy, no network on the
 caller's thread), the pin its writer reads them through (_tier_pin: a sequence taking
-blocks by hash, as a prefix hit does) and the value checksum (tier_checksum).
+blocks by hash, as a prefix hit does) and the value checksum (tier_checksum).  The tier
+reaches those through one TierPort set_tier hands it (pin, count, hashes, layout) and the
+cache's public API: it calls nothing private of the cache.
 """
 import hashlib
+import weakref
 
 import numpy as np
 
@@ -161,6 +164,41 @@ cdef int64_t _count_arg(object x, str what) except -1:
         raise ValueError(f"{what}: expected >= 0, got {x}")
     return <int64_t>min(x, 1 << 40)
 
+
+
+cdef class TierPort:
+    """The cache's face to a remote tier (shmkv/tier/), given by ``set_tier``: what a tier
+    may do to the cache beyond its public API -- ``pin`` published blocks by hash for a
+    write-through read, ``count`` into the segment's tier counters, the block ``hashes``
+    of tokens, the ``layout`` its fingerprint is made of -- and nothing else.  Holds the
+    cache weakly (a tier never keeps a closed handle alive): ValueError once it is gone."""
+    cdef object _ref
+
+    def __init__(self, cache):
+        self._ref = weakref.ref(cache)
+
+    cdef object _cache(self):
+        c = self._ref()
+        if c is None:
+            raise ValueError("the cache behind this tier port is gone")
+        return c
+
+    def pin(self, hashes):
+        """(sid, blocks taken): a new sequence of this process holding the leading
+        findable run of ``hashes`` ([n, 2] uint64); (-1, 0) with no free slot."""
+        return self._cache()._tier_pin(hashes)
+
+    def count(self, hits=0, misses=0, errors=0, bytes_in=0, bytes_out=0):
+        """Adds to the segment's tier counters."""
+        self._cache()._tier_count(hits, misses, errors, bytes_in, bytes_out)
+
+    def hashes(self, tokens, salt=None):
+        """The block-hash chain ([nfull, 2] uint64) create_sequence(tokens, salt) looks up."""
+        return self._cache()._tier_hashes(tokens, salt)
+
+    def layout(self):
+        """The model dims, dtype, block size, block-hash function and seed of the segment."""
+        return self._cache()._tier_layout()
 
 cdef class PrefixOps(InspectOps):
     def match_prefix(self, tokens, salt=None):
@@ -448,7 +486,8 @@ cdef class PrefixOps(InspectOps):
         if tier is not None and not (read or write):
             raise ValueError("set_tier: read and write are both False (use set_tier(None))")
         old = self._tier
-        binding = None if tier is None else tier._bind(self, bool(read), bool(write))
+        binding = (None if tier is None
+                   else tier._bind(self, TierPort(self), bool(read), bool(write)))
         self._tier = binding
         if old is not None:
             old.close()

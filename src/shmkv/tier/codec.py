@@ -98,9 +98,10 @@ class Layout:
         self.prefix = b"shmkv:" + self.fingerprint.hex().encode() + b":"
 
     @classmethod
-    def of(cls, cache: Any) -> "Layout":
-        """The layout of a cache's segment (with its scale table now, for float8)."""
-        return cls(cache._tier_layout(), cache.config.numpy_dtype, scale_table(cache))
+    def of(cls, cache: Any, port: Any) -> "Layout":
+        """The layout of a cache's segment, from the tier port ``set_tier`` gave (with
+        its scale table now, for float8)."""
+        return cls(port.layout(), cache.config.numpy_dtype, scale_table(cache))
 
     def key(self, h0: int, h1: int) -> bytes:
         return self.prefix + b"%016x%016x" % (h0, h1)

@@ -196,8 +196,11 @@ class RedisTier:
         for t in idle:
             t.close()
 
-    def _bind(self, cache: Any, read: bool = True, write: bool = True) -> "_Binding":
-        return _Binding(self, cache, read, write)
+    def _bind(self, cache: Any, port: Any, read: bool = True,
+              write: bool = True) -> "_Binding":
+        """What ``cache.set_tier(self)`` calls: ``port`` (shmkv._prefix.TierPort) is all
+        the tier does to the cache beyond its public API."""
+        return _Binding(self, cache, port, read, write)
 
     def _count(self, **kw: int) -> None:
         with self._lock:
@@ -221,12 +224,13 @@ class RedisTier:
 class _Binding:
     """One handle's use of a tier: its layout, queue, writer thread, connections."""
 
-    def __init__(self, tier: RedisTier, cache: Any, read: bool = True,
+    def __init__(self, tier: RedisTier, cache: Any, port: Any, read: bool = True,
                  write: bool = True) -> None:
         self.tier = tier
+        self.port = port              # pin, count, hashes, layout (shmkv._prefix.TierPort)
         self.read = read              # the handle's hits extend from the tier
         self.write = write            # what the handle publishes is written through
-        self.layout = Layout.of(cache)
+        self.layout = Layout.of(cache, port)
         self.fbufs: Optional[tuple[np.ndarray, np.ndarray]] = None   # quantized loads
         self.cache_ref = weakref.ref(cache)
         self.rbreaker = _Breaker(*tier.backoff)    # reads and writes fail apart: a
@@ -252,7 +256,7 @@ class _Binding:
     def _count(self, cache: Any, *, hits: int = 0, misses: int = 0, errors: int = 0,
                bytes_in: int = 0, bytes_out: int = 0, **detail: int) -> None:
         try:
-            cache._tier_count(hits, misses, errors, bytes_in, bytes_out)
+            self.port.count(hits, misses, errors, bytes_in, bytes_out)
         except Exception:
             pass
         self.tier._count(hits=hits, misses=misses, errors=errors, bytes_in=bytes_in,
@@ -404,7 +408,7 @@ class _Binding:
                 return
             chunk = todo[:self.tier.batch_blocks]
             arr = np.ascontiguousarray(np.array([h for h, _ in chunk], np.uint64))
-            sid, n = cache._tier_pin(arr)
+            sid, n = self.port.pin(arr)
             if sid < 0:                           # no sequence slot for the pin right now
                 self._count(cache, dropped=len(todo))
                 return

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import shmkv
+from shmkv._prefix import TierPort
 
 from .tier import seed_for, tier_spec
 
@@ -242,7 +243,7 @@ def open_segment(spec: SegmentSpec) -> shmkv.KVCache:
         except BaseException:
             kv.close()
             raise
-        seed = kv._tier_layout()["hash_seed"]
+        seed = TierPort(kv).layout()["hash_seed"]
         if spec.hash_seed is not None and seed != spec.hash_seed:
             log.warning("shmkv: segment %r hashes blocks with seed %#x, not the %#x asked "
                         "for: hosts whose segments use %#x share no tier blocks with it",
