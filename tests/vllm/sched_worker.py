@@ -84,7 +84,8 @@ def main() -> None:
                 cache_salt=None, lora_request=None, skip_reading_prefix_cache=False)
         return reqs[rid]
 
-    print(json.dumps({"ready": True, "marks": conn._marks_on()}), file=answers, flush=True)
+    marks = conn.connector_scheduler.marks_on()
+    print(json.dumps({"ready": True, "marks": marks}), file=answers, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -120,17 +121,17 @@ def main() -> None:
             time.sleep(float(cmd["seconds"]))
             conn.update_connector_output(types.SimpleNamespace(kv_cache_events=None,
                                                                invalid_block_ids=None))
-            out["spt"] = conn._spt
+            out["spt"] = conn.connector_scheduler._spt
         elif op == "finish":
             conn.request_finished(request(cmd["rid"]), [])
         elif op == "marks":
-            out["claimed"] = {rid: conn._pending.claimed(rid) for rid in reqs}
+            out["claimed"] = {rid: conn.connector_scheduler._pending.claimed(rid) for rid in reqs}
         elif op == "set":
-            conn._pending_stall = float(cmd["pending_stall"])
-            conn._spt = None
+            conn.connector_scheduler._pending_stall = float(cmd["pending_stall"])
+            conn.connector_scheduler._spt = None
             SLOW = bool(cmd["slow"])
         elif op == "stats":
-            out.update(conn._iv.data["c"])       # this interval's counters
+            out.update(conn.connector_scheduler._iv.data["c"])       # this interval's counters
         else:
             raise ValueError(f"unknown op {op!r}")
         print(json.dumps(out, default=lambda x: int(x) if isinstance(x, np.integer) else str(x)),

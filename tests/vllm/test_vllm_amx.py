@@ -282,12 +282,13 @@ def test_connector_worker_on_amx_saves_transformers_kv_and_loads_it_back(monkeyp
     try:
         w = ShmkvConnector(cfg, KVConnectorRole.WORKER, None)
         w.register_kv_caches(tensors)
-        assert w._layout == CpuLayout(False, amx_pack=2), w._layout
+        lay = w.connector_worker._layout
+        assert lay == CpuLayout(False, amx_pack=2), lay
         w.bind_connector_metadata(ShmkvConnectorMetadata(saves=[SaveOp("r", tokens, salt,
                                                                        blocks)]))
         w.wait_for_save()
         w.clear_connector_metadata()
-        assert w.stats["saved_tokens"] == n, w.stats
+        assert w.connector_worker.stats["saved_tokens"] == n, w.connector_worker.stats
         kv = shmkv.KVCache.attach(seg)
         sid = kv.create_sequence(tokens=np.append(tokens, 0), salt=salt)
         assert kv.seq_len(sid) == n
@@ -305,7 +306,7 @@ def test_connector_worker_on_amx_saves_transformers_kv_and_loads_it_back(monkeyp
             "r2", np.append(tokens, 0), salt, 0, n, dst)]))
         w2.start_load_kv(None)
         w2.clear_connector_metadata()
-        assert w2.stats["loaded_tokens"] == n, w2.stats
+        assert w2.connector_worker.stats["loaded_tokens"] == n, w2.connector_worker.stats
         for nm in names:
             assert torch.equal(empty[nm][dst], tensors[nm][blocks]), nm
         _amx_attention_check(empty[names[0]], dst, ks[0], vs[0], n)
@@ -346,18 +347,19 @@ def _connector_refuses_an_unverifiable_amx_layout(monkeypatch):
                      ).create_engine_config()
     try:
         w = ShmkvConnector(cfg, KVConnectorRole.WORKER, None)
-        c = w._kv.config
+        c = w.connector_worker._kv.config
         names = [f"model.layers.{i}.self_attn.attn" for i in range(c.num_layers)]
         w.register_kv_caches({n: torch.ones(8, c.num_kv_heads, 128, 2 * c.head_dim,
                                             dtype=torch.bfloat16) for n in names})
-        assert w._layout is None and not w._save_on and not w._load_on
+        ww = w.connector_worker
+        assert ww._layout is None and not ww._save_on and not ww._load_on
         tokens = np.arange(1, 129, dtype=np.int32)
         w.bind_connector_metadata(ShmkvConnectorMetadata(saves=[SaveOp(
             "r", tokens, request_salt(path), [3])]))
         w.wait_for_save()
         w.clear_connector_metadata()
-        assert w.stats["saved_tokens"] == 0
-        assert w._kv.match_prefix(np.append(tokens, 0), request_salt(path)) == 0
+        assert w.connector_worker.stats["saved_tokens"] == 0
+        assert w.connector_worker._kv.match_prefix(np.append(tokens, 0), request_salt(path)) == 0
         w.shutdown()
     finally:
         try:

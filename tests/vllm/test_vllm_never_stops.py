@@ -60,7 +60,7 @@ def test_another_models_segment_turns_the_connector_off(role_name):
     kv = shmkv.KVCache.create(seg, wrong)
     try:
         c, logged = _connector(seg, role_name)
-        assert c._kv is None and not c._save_on and not c._load_on
+        assert c._half._kv is None and not c._half._save_on and not c._half._load_on
         msgs = [m for m in logged if "connector is OFF" in m]
         assert len(msgs) == 1, msgs
         assert "does not fit this model" in msgs[0]
@@ -86,7 +86,7 @@ def test_another_users_segment_turns_the_connector_off():
     os.chown(f"/dev/shm/{seg}", NOBODY, NOBODY)
     try:
         c, logged = _connector(seg, "SCHEDULER")
-        assert c._kv is None and not c._save_on and not c._load_on
+        assert c._half._kv is None and not c._half._save_on and not c._half._load_on
         (msg,) = [m for m in logged if "connector is OFF" in m]
         assert "UntrustedSegmentError" in msg and "nobody (uid 65534)" in msg
         assert "trusted_owners" in msg                        # the fix
@@ -97,21 +97,18 @@ def test_another_users_segment_turns_the_connector_off():
 def test_a_worker_whose_half_is_off_recomputes_what_the_scheduler_planned():
     """The scheduler's half may be on where a worker's is off (it opened the segment a
     moment earlier): a planned load is reported failed, so vLLM recomputes it."""
+    from types import SimpleNamespace
+
     import numpy as np
 
+    from shmkv.integrations.vllm.common import Settings
     from shmkv.integrations.vllm.metadata import LoadOp
-    from shmkv.integrations.vllm.worker import _WorkerHalf
+    from shmkv.integrations.vllm.worker import ShmkvWorker
 
-    class W(_WorkerHalf):
-        def __init__(self):
-            self._kv, self._layout, self._tp, self._vb, self._bs = None, None, None, 128, 16
-            self._events_on = False
-            self._load_errors, self._short_reqs = set(), set()
-            self.stats = {"loaded_tokens": 0, "load_shortfall_tokens": 0, "load_errors": 0}
-            from shmkv.integrations.vllm.stats import ShmkvConnectorStats
-            self._iv = ShmkvConnectorStats()
-
-    w = W()
+    settings = Settings(vb=128, model_id="m", save=True, load=True, pending=True,
+                        pending_wait=30, pending_stall=2, pending_ttl=120,
+                        pending_lock_timeout=0.05, lock_timeout=0.1, events=False)
+    w = ShmkvWorker(SimpleNamespace(), settings, None, None, None, None)   # no segment
     w._load(LoadOp(req_id="r", tokens=np.arange(300, dtype=np.int32), salt="s", start=0,
                    end=256, block_ids=[7, 9], hashes=None, lora_name=None))
     assert w.get_block_ids_with_load_errors() == {7, 9}
@@ -155,8 +152,8 @@ def test_the_connector_is_a_best_effort_cache_for_preemption():
     kv = shmkv.KVCache.create(seg, FITS)
     try:
         c, _ = _connector(seg, "SCHEDULER")
-        assert c._kv is not None and c.requires_kv_delivery is False
-        c._kv.close()
+        assert c._half._kv is not None and c.requires_kv_delivery is False
+        c._half._kv.close()
     finally:
         kv.unlink()
         kv.close()

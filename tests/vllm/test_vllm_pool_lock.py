@@ -54,7 +54,7 @@ def test_a_stopped_pool_lock_holder_costs_a_worker_step_a_bound(worker, stopped_
     from shmkv.integrations.vllm.metadata import LoadOp, SaveOp
 
     w, names, path = worker
-    kv = w._kv
+    kv = w.connector_worker._kv
     assert kv.lock_timeout == pytest.approx(0.1) and kv.lock_backoff == 1.0
     salt = request_salt(path)
     rng = np.random.default_rng(11)
@@ -73,13 +73,13 @@ def test_a_stopped_pool_lock_holder_costs_a_worker_step_a_bound(worker, stopped_
                         loads=[LoadOp(f"c{i}", np.append(toks[0], 0), salt, 0, VB, [3])])
             assert w.get_block_ids_with_load_errors() == {3}, i   # recomputed by vLLM
         took = time.monotonic() - t0
-        w._free(pinned)                     # shares published blocks: needs the pool lock
-        assert w._unfreed == [(pinned, False)]
+        w.connector_worker._free(pinned)     # shares published blocks: needs the pool lock
+        assert w.connector_worker._unfreed == [(pinned, False)]
     finally:
         logging.getLogger("vllm.shmkv").removeHandler(lines)
     # a hang detector: each call waited the segment's 10 s before the step's bound
     assert took < 8.0, f"4 steps took {took:.1f} s behind the stopped holder"
-    c = w._iv.data["c"]
+    c = w.connector_worker._iv.data["c"]
     assert c.get("lock_timeouts", 0) >= 8, c        # a load and a save a step, at least
     assert c.get("save_errors", 0) == 4 and c.get("load_failures", 0) == 4, c
     warned = [ln for ln in lines.lines if "pool lock was held past" in ln]
@@ -89,7 +89,7 @@ def test_a_stopped_pool_lock_holder_costs_a_worker_step_a_bound(worker, stopped_
     holder.kill()
     holder.wait(timeout=30)
     runner_step(w, names, [SaveOp("d", toks[2], salt, [2])], len(names))
-    assert w._unfreed == []
+    assert w.connector_worker._unfreed == []
     assert kv.match_prefix(np.append(toks[2], 0), salt) == VB
     assert kv.stats()["num_sequences"] == 0
     kv.lock_timeout = 10.0

@@ -127,13 +127,14 @@ def test_scheduler_asks_the_tier_in_the_background(cluster, segments):
     cfg = _engine_config(extra)
     conn = ShmkvConnector(cfg, KVConnectorRole.SCHEDULER, None)
     try:
-        salt = request_salt(conn._model_id)
+        salt = request_salt(conn.connector_scheduler._model_id)
         rng = np.random.default_rng(1)
         ids = rng.integers(10, 40000, size=3 * VB + 20).astype(np.int32)
-        bs = conn._kv.config.block_size
+        bs = conn.connector_scheduler._kv.config.block_size
         full = (len(ids) - 1) // bs * bs
         assert full % VB != 0                      # the hit ends inside a vLLM block
-        k, v = _host_a_writes(conn._kv.config, cluster.url, ids, salt, segments("vtier-a"))
+        k, v = _host_a_writes(conn.connector_scheduler._kv.config, cluster.url, ids, salt,
+                              segments("vtier-a"))
         answers, n = _ask(conn, _request("r1", ids))
         assert answers[0] is None                  # the scheduler loop did not wait
         assert n == full                           # then: every full block, from the tier
@@ -152,7 +153,7 @@ def test_scheduler_asks_the_tier_in_the_background(cluster, segments):
         # a second request on the same prefix: a local hit, no tier lookup at all
         answers, n = _ask(conn, _request("r2", ids))
         assert answers == [full]
-        assert conn._lookups.stats["lookups"] == 1
+        assert conn.connector_scheduler._lookups.stats["lookups"] == 1
         # a prompt nobody has: one lookup, a miss, then 0
         other = rng.integers(10, 40000, size=2 * VB + 5).astype(np.int32)
         answers, n = _ask(conn, _request("r3", other))
@@ -188,7 +189,7 @@ def test_a_hung_tier_is_given_up_and_a_down_tier_is_a_miss(cluster, segments):
             for p in pids:
                 os.kill(p, signal.SIGCONT)
         assert answers[0] is None and n == 0
-        assert conn._lookups.stats["given_up"] == 1
+        assert conn.connector_scheduler._lookups.stats["given_up"] == 1
     finally:
         conn.shutdown()
     # nothing listens on this port: a counted miss, never an error
@@ -200,7 +201,7 @@ def test_a_hung_tier_is_given_up_and_a_down_tier_is_a_miss(cluster, segments):
     try:
         answers, n = _ask(conn, _request("d1", ids))
         assert answers[0] is None and n == 0
-        assert conn._kv.stats()["tier_errors"] >= 1
+        assert conn.connector_scheduler._kv.stats()["tier_errors"] >= 1
     finally:
         conn.shutdown()
 

@@ -39,7 +39,7 @@ def _step(w, names, ops, layers_done, raise_exc=None):
 
 
 def _hit(w, tokens, salt):
-    return w._kv.match_prefix(np.append(tokens, 0), salt)
+    return w.connector_worker._kv.match_prefix(np.append(tokens, 0), salt)
 
 
 def test_a_forward_that_did_not_finish_publishes_nothing(worker):
@@ -63,12 +63,13 @@ def test_a_forward_that_did_not_finish_publishes_nothing(worker):
     # half of the layers reported, no exception seen (a forward cut short another way)
     _step(w, names, ops[3:4], len(names) // 2)
     assert _hit(w, toks[3], salt) == 0
-    assert w.stats["unfinished_saves"] == 3 and w.stats["saved_tokens"] == VB, w.stats
-    assert w.stats["save_errors"] == 0
+    stats = w.connector_worker.stats
+    assert stats["unfinished_saves"] == 3 and stats["saved_tokens"] == VB, stats
+    assert stats["save_errors"] == 0
     # and the next complete step publishes again
     _step(w, names, ops[1:2], len(names))
     assert _hit(w, toks[1], salt) == VB
-    assert w._kv.check() == []
+    assert w.connector_worker._kv.check() == []
 
 
 def test_a_runner_that_never_reports_layers_still_saves(worker):
@@ -114,8 +115,8 @@ def test_a_sigterm_inside_the_saves_copy_publishes_nothing(worker):
     w, names, path = worker
     salt = request_salt(path)
     t = np.arange(7, VB + 7, dtype=np.int32)
-    real = w._layout
-    w._layout = term = _TermMidCopy(real, len(names) // 2)
+    real = w.connector_worker._layout
+    w.connector_worker._layout = term = _TermMidCopy(real, len(names) // 2)
 
     def as_vllm(signum, frame):                 # vLLM's worker: SIGTERM -> SystemExit
         raise SystemExit(128 + signum)
@@ -126,9 +127,45 @@ def test_a_sigterm_inside_the_saves_copy_publishes_nothing(worker):
             runner_step(w, names, [SaveOp("r", t, salt, [1])], len(names))
     finally:
         signal.signal(signal.SIGTERM, old)
-        w._layout = real
+        w.connector_worker._layout = real
     assert term.calls == len(names) // 2            # it stopped half-way through the layers
     assert _hit(w, t, salt) == 0
-    assert w._kv.stats()["num_sequences"] == 0 and w._kv.check() == []
+    kv = w.connector_worker._kv
+    assert kv.stats()["num_sequences"] == 0 and kv.check() == []
     runner_step(w, names, [SaveOp("r", t, salt, [1])], len(names))   # and later: saved
     assert _hit(w, t, salt) == VB
+
+
+def test_between_unregister_and_restore_of_the_kv_caches_nothing_is_copied(worker):
+    """vLLM 0.34's sleep hooks: after ``unregister_kv_caches`` a save publishes nothing and
+    a planned load is reported failed (vLLM recomputes it) -- no copy touches the tensors --
+    until ``restore_kv_caches``; then both copy again, the same bytes.  Both idempotent."""
+    import torch
+
+    from shmkv.integrations.vllm import request_salt
+    from shmkv.integrations.vllm.connector import LoadOp, SaveOp
+
+    w, names, path = worker
+    salt = request_salt(path)
+    rng = np.random.default_rng(11)
+    a, b = (rng.integers(1, 30000, VB, dtype=np.int32) for _ in range(2))
+    tensors = [t for t, _, _ in w.connector_worker._layers]
+    _step(w, names, [SaveOp("a", a, salt, [1])], len(names))
+    assert _hit(w, a, salt) == VB
+    w.unregister_kv_caches()
+    w.unregister_kv_caches()
+    before = [t.clone() for t in tensors]
+    runner_step(w, names, [SaveOp("b", b, salt, [2])], len(names),
+                loads=[LoadOp("a2", np.append(a, 0), salt, 0, VB, [5])])
+    assert _hit(w, b, salt) == 0                                # not saved
+    assert w.get_block_ids_with_load_errors() == {5}            # not loaded: recomputed
+    assert all(torch.equal(x, y) for x, y in zip(tensors, before))
+    assert w.connector_worker.stats["save_errors"] == 0
+    w.restore_kv_caches()
+    w.restore_kv_caches()
+    runner_step(w, names, [SaveOp("b", b, salt, [2])], len(names),
+                loads=[LoadOp("a2", np.append(a, 0), salt, 0, VB, [5])])
+    assert _hit(w, b, salt) == VB
+    assert w.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(t[5], t[1]) for t in tensors)        # block 1's bytes, loaded
+    assert w.connector_worker._kv.check() == []

@@ -95,8 +95,8 @@ def _run(cfg, rank: int, size: int, seg: str, scenario: str) -> dict:
 
     path = _model_dir()
     w = ShmkvConnector(cfg, KVConnectorRole.WORKER, None)
-    assert w._tp is not None and w._tp.rank == rank
-    kvc = w._kv.config
+    assert w.connector_worker._tp is not None and w.connector_worker._tp.rank == rank
+    kvc = w.connector_worker._kv.config
     names = [f"model.layers.{i}.self_attn.attn" for i in range(kvc.num_layers)]
     g = torch.Generator().manual_seed(3 + rank)
     tensors = {n: torch.randn(8, kvc.num_kv_heads // size, VB, 2 * kvc.head_dim,
@@ -104,15 +104,17 @@ def _run(cfg, rank: int, size: int, seg: str, scenario: str) -> dict:
     if scenario == "vote" and rank == 1:
         def broken(kv_caches):
             raise RuntimeError("the layout self-test raised on this rank only")
-        w._register = broken
+        w.connector_worker._register = broken
     w.register_kv_caches(tensors)
-    out: dict = {"rank": rank, "save_on": w._save_on, "load_on": w._load_on,
-                 "layout": w._layout is not None}
+    ww = w.connector_worker
+    out: dict = {"rank": rank, "save_on": ww._save_on, "load_on": ww._load_on,
+                 "layout": ww._layout is not None}
     salt = request_salt(path)
     tokens = np.random.default_rng(7).integers(1, 30000, 2 * VB, dtype=np.int32)
     if scenario != "vote":
         if scenario == "commit" and rank == 0:
-            w._kv = _CommitTimesOut(w._kv)      # the shutdown below closes the real one
+            # the shutdown below closes the real one
+            ww._kv = _CommitTimesOut(ww._kv)
         w.bind_connector_metadata(ShmkvConnectorMetadata(
             saves=[SaveOp("r", tokens, salt, [1, 2])]))
         try:
@@ -121,8 +123,8 @@ def _run(cfg, rank: int, size: int, seg: str, scenario: str) -> dict:
         finally:
             w.wait_for_save()           # raises nothing into vLLM, on any rank
             w.clear_connector_metadata()
-    out["stats"] = {k: w.stats[k] for k in ("saved_tokens", "save_errors")}
-    w._tp._min(1)                       # every rank is done with the step
+    out["stats"] = {k: w.connector_worker.stats[k] for k in ("saved_tokens", "save_errors")}
+    w.connector_worker._tp._min(1)                       # every rank is done with the step
     if rank == 0:
         kv = shmkv.KVCache.attach(seg)
         try:
@@ -132,7 +134,7 @@ def _run(cfg, rank: int, size: int, seg: str, scenario: str) -> dict:
                               "used_blocks": st["used_blocks"], "check": kv.check()}
         finally:
             kv.close()
-    w._tp._min(1)
+    w.connector_worker._tp._min(1)
     w.shutdown()
     return out
 

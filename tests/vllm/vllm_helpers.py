@@ -120,13 +120,13 @@ def runner_worker(seg: str) -> Iterator[tuple[Any, list[str], str]]:
     w = None
     try:
         w = ShmkvConnector(cfg, KVConnectorRole.WORKER, None)
-        kvc = w._kv.config
+        kvc = w.connector_worker._kv.config
         names = [f"model.layers.{i}.self_attn.attn" for i in range(kvc.num_layers)]
         g = torch.Generator().manual_seed(3)
         tensors = {n: torch.randn(8, kvc.num_kv_heads, VB, 2 * kvc.head_dim,
                                   generator=g).to(torch.bfloat16) for n in names}
         w.register_kv_caches(tensors)
-        assert w._layout is not None
+        assert w.connector_worker._layout is not None
         yield w, names, path
     finally:
         if w is not None:

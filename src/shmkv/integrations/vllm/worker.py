@@ -15,12 +15,11 @@ save is made only when no exception is in flight (``sys.exc_info()`` inside that
 after the layer's attention), every layer reported it this step; otherwise the step
 publishes nothing (``unfinished_saves``) and its tokens are a miss for later requests.
 
-``_WorkerHalf`` is a base of ``ShmkvConnector``; the fields it uses are set up by
-``ShmkvConnector.__init__``."""
+The once-a-second housekeeping is here too: recovery of what dead processes left in the
+segment, and the segment's gauges for vLLM's /metrics."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -33,19 +32,21 @@ import torch
 import shmkv
 from shmkv.integrations.torch_views import pool_tensors
 
+from .common import Half, Settings, log
 from .events import ShmkvKVEvents, stored_event
 from .faults import _fault
 from .layout import CpuLayout, probe_layout
 from .metadata import LoadOp, SaveOp, ShmkvConnectorMetadata
-from .segment import check_fp8_scales, vllm_kv_scales
+from .segment import SegmentSpec, check_fp8_scales, vllm_kv_scales
+from .stats import ShmkvConnectorStats, segment_gauges
+from .tier import TierSpec
 from .tp import SOLO, TPRank, rank_heads
 
 if TYPE_CHECKING:  # pragma: no cover
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
 
-# under "vllm": the lines appear in vLLM's own log (vllm serve), formatted as vLLM's
-log = logging.getLogger("vllm.shmkv")
+__all__ = ["ShmkvWorker"]
 
 # SHMKV_VLLM_STATS=FILE: the worker's connector rewrites FILE (JSON: its counters, and the
 # seconds its loads and saves took) after every step that loaded or saved.  For the tests
@@ -53,27 +54,35 @@ log = logging.getLogger("vllm.shmkv")
 _STATS_FILE = os.environ.get("SHMKV_VLLM_STATS") or None
 
 
-class _WorkerHalf:
-    """The worker side of ShmkvConnector (see the module docstring)."""
+class ShmkvWorker(Half):
+    """The worker's half (see the module docstring)."""
 
-    def _lock_failed(self, e: BaseException) -> bool:
-        """Whether ``e`` is a pool-lock wait that ran out (or was refused in the backoff's
-        pause): then it is counted (vLLM's /metrics) and the log says so at most once a
-        minute, for every call that fails so meanwhile (the caller logs nothing).  Both
-        halves' (the scheduler's lookups too)."""
-        if not isinstance(e, shmkv.LockTimeout):
-            return False
-        self._iv.count("lock_timeouts")
-        self._lock_count += 1
-        now = time.monotonic()
-        if now - self._lock_warned >= 60.0:
-            self._lock_warned = now
-            log.warning("shmkv: segment %r: its pool lock was held past lock_timeout (%.2f "
-                        "s) by another process (one stopped while holding it: Ctrl-Z, a "
-                        "debugger, docker pause?); %d calls went without the cache so far "
-                        "(misses, dropped saves), waiting at most once a second",
-                        self._spec.name, self._lock_timeout, self._lock_count)
-        return True
+    def __init__(self, vllm_config: "VllmConfig", settings: Settings,
+                 spec: Optional[SegmentSpec], kv: Optional[shmkv.KVCache],
+                 tier: Optional[TierSpec], tp: Optional[TPRank]):
+        super().__init__(vllm_config, settings, spec, kv)
+        # tensor parallel: this worker's rank; it copies its slice of the heads (tp.py)
+        self._tp = tp
+        self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._layout: Optional[CpuLayout] = None
+        self._asleep_layout: Optional[CpuLayout] = None     # unregister_kv_caches
+        self._load_errors: set[int] = set()
+        self._unfreed: list[tuple[int, bool]] = []   # sequences a lock timeout left to free
+        self._short_reqs: set[str] = set()       # requests whose load fell short this step
+        # the forward's progress: the attention layers vLLM reported done this step
+        # (save_kv_layer), out of all of them; a step that did not finish publishes nothing
+        self._layer_names: frozenset[str] = frozenset()
+        self._step_layers: set[str] = set()
+        self._layer_reports = False              # vLLM calls save_kv_layer here
+        self._events: list["KVCacheEvent"] = []  # this step's, for vLLM's publisher
+        # cumulative figures (SHMKV_VLLM_STATS); this interval's are self._iv
+        self.stats: dict[str, float] = {
+            "loaded_tokens": 0, "load_shortfall_tokens": 0, "saved_tokens": 0,
+            "save_errors": 0, "unfinished_saves": 0, "load_errors": 0, "load_seconds": 0.0,
+            "save_seconds": 0.0}
+        self._gauges_at = 0.0
+        if kv is not None and tier is not None and self._save_on:
+            kv.set_tier(tier.make(), read=False)    # commits write through
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
@@ -174,9 +183,7 @@ class _WorkerHalf:
         ids = torch.as_tensor(block_ids, dtype=torch.int64)
         return ids[g // r - first], g % r
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ShmkvConnectorMetadata)
+    def start_load_kv(self, meta: ShmkvConnectorMetadata) -> None:
         self._short_reqs = set()
         if self._unfreed:
             self._free_unfreed()
@@ -311,11 +318,7 @@ class _WorkerHalf:
         out, self._load_errors = self._load_errors, set()
         return out
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str) -> None:
         # saved in wait_for_save, from the tensors registered above; here only the
         # forward's progress: this layer's attention ran, its K/V are in place
         self._step_layers.add(layer_name)
@@ -329,12 +332,12 @@ class _WorkerHalf:
             return False
         return not self._layer_reports or written >= self._layer_names
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, meta: Optional[ShmkvConnectorMetadata]) -> None:
+        """Publishes the step's saves (``meta``: the step's plan, None when vLLM gave
+        none)."""
         written, self._step_layers = self._step_layers, set()
-        if self._layout is None or not self.has_connector_metadata():
+        if self._layout is None or meta is None:
             return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ShmkvConnectorMetadata)
         if not meta.saves:
             return
         finished = self._forward_finished(written)
@@ -453,3 +456,50 @@ class _WorkerHalf:
         if op.hashes is not None:
             self._announce(op.hashes, op.tokens, have // self._vb, end // self._vb,
                            op.lora_name)
+
+    # ------------------------------------------------------- sleep (vLLM 0.34's hooks)
+    def unregister_kv_caches(self) -> None:
+        """No copy from here on -- loads are reported failed (vLLM recomputes), saves
+        are skipped -- until :meth:`restore_kv_caches`.  Idempotent."""
+        if self._layout is not None:
+            self._asleep_layout, self._layout = self._layout, None
+
+    def restore_kv_caches(self) -> None:
+        """Copies resume (the same tensors).  Idempotent."""
+        lay = self._asleep_layout
+        if lay is not None:
+            self._layout, self._asleep_layout = lay, None
+
+    # ------------------------------------------------------------- housekeeping
+    def take_stats(self) -> Optional[ShmkvConnectorStats]:
+        """This interval's figures, with the segment's gauges read at most once a second
+        (and the housekeeping that goes with them)."""
+        if self._kv is None:
+            return None
+        now = time.monotonic()
+        if now - self._gauges_at >= 1.0:
+            self._gauges_at = now
+            self._housekeeping()
+        return super().take_stats()
+
+    def _housekeeping(self) -> None:
+        """Once a second: recover what dead processes left in the segment (a killed
+        instance's unpublished saves, its sequences: freed, never published), then read
+        the segment's gauges.  Any surviving instance does it within ~1 s.
+
+        Only rank 0 of a tensor-parallel instance recovers (its other ranks' passes
+        would find the same dead); the pass itself reads only the process table when
+        nothing died (no pool lock, no walk of the pool), returns at once when another
+        process is recovering (``busy``), and reclaims in O(what died)."""
+        assert self._kv is not None
+        self._free_unfreed()
+        try:
+            got = self._kv.recover() if self._tp is None or self._tp.rank == 0 else {}
+            if got.get("processes") or got.get("sequences") or got.get("blocks"):
+                log.info("shmkv: reclaimed %d dead processes, their %d sequences and %d "
+                         "blocks, from segment %r", got.get("processes", 0),
+                         got.get("sequences", 0), got.get("blocks", 0), self._kv.name)
+            self._iv.set_gauges(segment_gauges(self._kv.stats()))
+        except Exception as e:              # housekeeping never fails a step
+            self._lock_failed(e)
+            log.debug("shmkv: housekeeping failed (%s: %s)", type(e).__name__, e)
