@@ -62,10 +62,11 @@ cflags += EXTRA_CFLAGS
 ldflags += EXTRA_LDFLAGS
 
 KERNELS = sorted(h for h in glob.glob("src/shmkv/kernels/*.h") if "attention" not in h)
-PXD = ["src/shmkv/_layout.pxd", "src/shmkv/_core.pxd"]
+PXD = ["src/shmkv/_layout.pxd", "src/shmkv/_sizes.pxd", "src/shmkv/_core.pxd"]
 
 # the handle's base first, then the method chain bottom-up (each .pxd cimports the one below)
-CHAIN = [("_core", []), ("_inspect", ["_inspect"]), ("_prefix", ["_inspect", "_prefix"]),
+CHAIN = [("_sizes", []),    # the C layout's binding, below config and _core
+         ("_core", []), ("_inspect", ["_inspect"]), ("_prefix", ["_inspect", "_prefix"]),
          ("_sequences", ["_inspect", "_prefix", "_sequences"]),
          ("_quant", ["_inspect", "_prefix", "_sequences", "_quant"]),
          ("_kvdata", ["_inspect", "_prefix", "_sequences", "_quant"]),

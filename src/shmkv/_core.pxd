@@ -214,7 +214,6 @@ cdef class Segment:
 cdef shmkv_ctx_t *segment_ctx(object seg) except NULL
 cdef int raise_status(int st, str what) except -1
 cdef object cfg_object(const shmkv_config_t *c)
-cdef dict layout_dict(const shmkv_layout_t *l)
 cdef int64_t sid_arg(object sid) except? -2
 cdef int lock_seqs(shmkv_ctx_t *c, const int64_t *sids, Py_ssize_t n,
                    uint32_t *slots, uint32_t *lens) except -1

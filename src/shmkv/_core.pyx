@@ -26,7 +26,10 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
 from libc.string cimport memset
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-from .config import CacheConfig, DTYPES, HASHES
+from shmkv._sizes cimport config_struct
+
+from .config import CacheConfig
+from ._sizes import DTYPES, HASHES, layout_of
 from ._shmfile import create_file, open_file, resolve_group, resolve_owners, shm_path
 from .errors import (CacheFullError, LockTimeout, SegmentError, SequenceNotFound,
                      ShmkvError)
@@ -117,23 +120,6 @@ def _norm_name(name):
 # --------------------------------------------------------------------------------------
 # config <-> segment
 # --------------------------------------------------------------------------------------
-cdef shmkv_config_t _cfg_struct(cfg) except *:
-    cdef shmkv_config_t c
-    memset(&c, 0, sizeof(c))
-    c.num_layers = cfg.num_layers
-    c.num_kv_heads = cfg.num_kv_heads
-    c.head_dim = cfg.head_dim
-    c.block_size = cfg.block_size
-    c.num_blocks = cfg.num_blocks
-    c.max_seqs = cfg.max_seqs
-    c.max_blocks_per_seq = cfg.max_seq_len // cfg.block_size
-    c.max_procs = cfg.max_procs
-    c.dtype, c.itemsize = DTYPES[cfg.dtype]
-    c.hash_algo = HASHES[cfg.hash]
-    c.event_capacity = cfg.event_capacity
-    return c
-
-
 cdef object cfg_object(const shmkv_config_t *c):
     return CacheConfig(
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -161,30 +147,6 @@ def _map_readonly(fd, name):
         raise SegmentError(f"{name}: {size} bytes, too small for a shmkv segment",
                            reason="not_ready" if size == 0 else "corrupt")
     return _Mapping.map(fd, size, False, False)
-
-
-cdef dict layout_dict(const shmkv_layout_t *l):
-    return dict(token_bytes=l.token_bytes, block_bytes=l.block_bytes,
-                layer_stride=l.layer_stride, index_capacity=l.index_capacity,
-                off_blocks=l.off_blocks, off_free=l.off_free, off_procs=l.off_procs,
-                off_seqs=l.off_seqs, off_seq_free=l.off_seq_free, off_tables=l.off_tables,
-                off_tokens=l.off_tokens, off_index=l.off_index, off_kpool=l.off_kpool, off_vpool=l.off_vpool,
-                segment_size=l.segment_size, off_events=l.off_events,
-                event_record_bytes=l.event_record_bytes, scale_bytes=l.scale_bytes,
-                scale_stride=l.scale_stride, off_kscale=l.off_kscale,
-                off_vscale=l.off_vscale, off_hscale=l.off_hscale)
-
-
-def layout_of(cfg):
-    """The region layout (sizes and offsets, in bytes) a config gives; ValueError if the
-    C layout rejects it."""
-    cdef shmkv_config_t c = _cfg_struct(cfg)
-    cdef shmkv_layout_t l
-    if shmkv_layout_compute(&c, &l) != SHMKV_OK:
-        raise ValueError(
-            "config: the segment would be too large (over 2^48 bytes) or a field is out "
-            f"of range: {cfg!r}")
-    return layout_dict(&l)
 
 
 def _proc_start_time(pid):
@@ -355,7 +317,7 @@ cdef _Attachment _open(str name, bint create, object cfg, int mode, bint populat
     cdef shmkv_recovery_t r
     if create:
         seed = _create_seed(hash_seed)
-        ccfg = _cfg_struct(cfg)
+        ccfg = config_struct(cfg)
         if shmkv_layout_compute(&ccfg, &lay) != SHMKV_OK:
             raise ValueError(f"config: the segment would be too large: {cfg!r}")
         # O_EXCL, no link followed; the group, then exactly the mode (whatever the umask)

@@ -24,6 +24,7 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
 
 from shmkv._core cimport *
+from shmkv._sizes cimport layout_dict
 
 from ._core import COUNTER_NAMES, _map_readonly, _norm_name, _open_existing
 from .errors import CacheFullError, SegmentError

@@ -4,19 +4,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
+from ._sizes import DTYPES, HASHES, layout_of
+
 if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["CacheConfig", "DTYPES", "HASHES", "QUANTIZED"]
 
-#: dtype name -> (code stored in the segment, bytes per element)
-DTYPES = {"float16": (1, 2), "float32": (2, 4), "bfloat16": (3, 2), "int8": (4, 1),
-          "float8_e4m3": (5, 1)}
 #: quantized pools: 1-byte codes plus float32 scales; read and written as
 #: their compute dtype (float32)
 QUANTIZED = ("int8", "float8_e4m3")
-#: block-hash algorithm name -> code stored in the segment
-HASHES = {"fast": 1, "sha256": 2}
 
 # Mirrors the SHMKV_MAX_* limits of _layout.h (checked again in C, where they are the law).
 _LIMITS = {
@@ -153,9 +150,7 @@ class CacheConfig:
             except ImportError:
                 raise ValueError(f"dtype: {self.dtype!r} needs the ml_dtypes package") from None
         # Sizes the C layout would reject (a segment over 2^48 bytes) fail here too.
-        from . import _core
-
-        _core.layout_of(self)
+        layout_of(self)
 
     @property
     def itemsize(self) -> int:
@@ -212,6 +207,4 @@ class CacheConfig:
 
     def segment_size(self) -> int:
         """Bytes of the shared-memory segment this config lays out."""
-        from . import _core
-
-        return _core.layout_of(self)["segment_size"]
+        return layout_of(self)["segment_size"]
