@@ -67,3 +67,13 @@ def test_the_file_list_is_the_shipped_text():
     assert list(docs_lint.shipped(files)) == [
         "README.md", "docs/a/b.md", "src/shmkv/_core.pyx", "src/shmkv/kernels/attention.c",
         "tests/test_x.py", "Makefile", ".ci/run"]
+
+
+def test_a_citation_of_a_file_not_in_the_repository_is_reported(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("# the versions agree (tests/test_compat.py checks it)\n"
+                 "# each worker module in tests/*_workers.py; plots in benchmarks/out/a.png\n")
+    assert _run(str(f)).returncode == 0
+    f.write_text("# the versions agree (tests/test_compat_" + "ranges.py checks it)\n")
+    r = _run(str(f))
+    assert r.returncode == 1 and "no such file in the repository" in r.stdout, r.stdout

@@ -11,6 +11,10 @@ script reads every line of the shipped text and reports each match as ``file:lin
 The patterns are a short, precise list, so that the legitimate words stay free: an HTTP or
 chat "session", "known issues", docs/reference/api.md.
 
+A path of the repository a line cites (``tests/...``, ``tools/...``, ``docs/...``,
+``src/shmkv/...``: a file with its suffix, no wildcard) must exist: a citation of a file
+that was renamed or never committed sends the reader nowhere.
+
 The files: README.md, CHANGELOG.md, DESIGN.md, DEVELOP.md, docs/**/*.md, benchmarks/*.md,
 and everything under src/shmkv/ (except the generated Cython output src/shmkv/_*.c), tools/,
 benchmarks/, tests/ and fuzz/, plus Makefile, .ci/run, pyproject.toml, setup.py and
@@ -56,6 +60,11 @@ PATTERNS: list[tuple[re.Pattern[str], str]] = [
                 r"|\b(?:until|before|since|of) this issue\b", re.I), "issue reference"),
 ]
 
+# a file of the repository, cited: checked to exist (generated outputs and wildcards aside)
+_CITED = re.compile(r"(?<![\w/.-])((?:tests|tools|benchmarks|docs|fuzz|src/shmkv)/[\w./-]*\w"
+                    r"\.(?:py|md|pyx|pxd|pyi|h|c|inc|sh|txt|json))\b")
+_CITES_PLANTED = {"tests/test_docs_lint.py"}     # plants citations of files that do not exist
+
 _TOP = {"README.md", "CHANGELOG.md", "DESIGN.md", "DEVELOP.md", "Makefile", ".ci/run",
         "pyproject.toml", "setup.py", "mkdocs.yml"}
 _TREES = ("src/shmkv/", "tools/", "benchmarks/", "tests/", "fuzz/")
@@ -88,11 +97,21 @@ def check(path: str, shown: str) -> list[str]:
     except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
         return []                    # binary, or deleted from the work tree
     found = []
+    cites = shown not in _CITES_PLANTED
     for n, line in enumerate(lines, 1):
         for pat, what in PATTERNS:
             if pat.search(line):
                 found.append(f"{shown}:{n}: {line.strip()}  [{what}]")
                 break
+        else:
+            if cites:
+                for m in _CITED.finditer(line):
+                    ref = m.group(1)
+                    if (not ref.startswith("benchmarks/out/")
+                            and not os.path.exists(os.path.join(ROOT, ref))):
+                        found.append(f"{shown}:{n}: {line.strip()}  [{ref}: no such file in "
+                                     "the repository]")
+                        break
     return found
 
 

@@ -6,7 +6,7 @@ same ranges.  An integration calls :func:`check` when it is imported or first us
 dependency that is missing raises ``ImportError`` naming the extra to install, one outside
 its tested range warns once per process (``ShmkvVersionWarning``), and works on at the
 user's risk.  Keep this table, the extras and the Makefile's ``test-compat`` lists in step
-(``tests/test_compat_ranges.py`` checks that they agree).
+(``tests/test_compat.py`` checks that they agree).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 and the README's extensions.
 
 Two jobs: `mypy --strict` checks it against the package's stubs (`make lint`), and
-tests/test_typing.py runs it against a real segment, so every call it types is also a
+tests/test_structure.py runs it against a real segment, so every call it types is also a
 call that works.  Usage: python api_usage.py SEGMENT_NAME (the caller unlinks it).
 """
 from __future__ import annotations
