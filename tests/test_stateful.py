@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from mp_workers import assert_same, footprint, tokens
+from workers.mp_workers import assert_same, footprint, tokens
 
 import shmkv
 

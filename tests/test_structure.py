@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import _unlink, unique_name
+from workers import struct_workers
 
 import shmkv
 import shmkv._core as _core
@@ -24,7 +25,7 @@ CASES = [("create_mid", "create"), ("fork_mid", "fork"), ("free_mid", "free"),
 
 
 def _run_worker(cache, procs, point, op, disarm=False):
-    p = ctx.Process(target=__import__("struct_workers").die_in,
+    p = ctx.Process(target=struct_workers.die_in,
                     args=(cache.name, point, op, disarm))
     p.start()
     procs.append(p)
