@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ISAS
+from support import ISAS
 from workers.attn_workers import tokens as _tokens
 from workers.attn_workers import writer as _writer
 from workers.recovery_workers import segment_bytes

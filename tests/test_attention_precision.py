@@ -19,7 +19,7 @@ import zlib
 import numpy as np
 import pytest
 from attn_golden import CASES, RECORDED_ISAS, THREADS, digest, pool_input, run_case
-from conftest import ISAS
+from support import ISAS
 
 from shmkv import _attention
 

@@ -11,8 +11,8 @@ from typing import Any, List, Optional, Union
 
 import numpy as np
 import pytest
-from conftest import SMALL, unique_name
 from procout import readline_with
+from support import SMALL, unique_name
 from workers import event_workers as W
 
 import shmkv

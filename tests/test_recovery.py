@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import SMALL, _unlink, unique_name
+from support import SMALL, unique_name, unlink_segment
 from workers import recovery_workers
 from workers.recovery_workers import segment_bytes, tokens
 
@@ -31,7 +31,7 @@ def test_racing_open_one_creator(procs):
         assert sum(created for _, created, _ in got) == 1
         assert all(same for _, _, same in got)
     finally:
-        _unlink(name)
+        unlink_segment(name)
 
 
 def test_create_race_loser_gets_file_exists(seg_name):

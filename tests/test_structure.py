@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import _unlink, unique_name
+from support import unique_name, unlink_segment
 from workers import struct_workers
 
 import shmkv
@@ -100,7 +100,7 @@ def test_typed_api_script_runs():
         runpy.run_path(path, run_name="__main__")
     finally:
         sys.argv = argv
-        _unlink(name)
+        unlink_segment(name)
     with pytest.raises(FileNotFoundError):             # the script unlinked it itself
         shmkv.KVCache.attach(name)
 
@@ -121,4 +121,4 @@ def test_typed_api_script_catches_a_wrong_result(monkeypatch):
         with pytest.raises(AssertionError):
             mod["main"](name)
     finally:
-        _unlink(name)
+        unlink_segment(name)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SMALL, unique_name
+from support import SMALL, unique_name
 
 import shmkv
 from shmkv.pending import PendingMarks, pending_path

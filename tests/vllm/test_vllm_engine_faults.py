@@ -51,7 +51,6 @@ import time
 import numpy as np
 import pytest
 from configs_helpers import run_engine, tiny_llama, unlink
-from conftest import unique_name  # tests/conftest.py
 from serve_helpers import ServeInstance, connector_config, post_json
 from stopped_helpers import (
     FLOCK_HOLDER,
@@ -60,6 +59,7 @@ from stopped_helpers import (
     end,
     start_stopped,
 )
+from support import unique_name
 from vllm_helpers import needs_vllm
 
 from shmkv.pending import pending_path
