@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from stopped_helpers import SEGMENT_HOLDER, end, start_stopped
+from support.stopped_helpers import SEGMENT_HOLDER, end, start_stopped
 from workers.recovery_workers import tokens
 
 import shmkv

@@ -21,7 +21,7 @@ import uuid
 
 import numpy as np
 import pytest
-from procout import readline_with, stderr_lines
+from support.procout import readline_with, stderr_lines
 from workers import cli_workers
 
 import shmkv

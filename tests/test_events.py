@@ -11,8 +11,8 @@ from typing import Any, List, Optional, Union
 
 import numpy as np
 import pytest
-from procout import readline_with
 from support import SMALL, unique_name
+from support.procout import readline_with
 from workers import event_workers as W
 
 import shmkv

@@ -52,14 +52,14 @@ import numpy as np
 import pytest
 from configs_helpers import run_engine, tiny_llama, unlink
 from serve_helpers import ServeInstance, connector_config, post_json
-from stopped_helpers import (
+from support import unique_name
+from support.stopped_helpers import (
     FLOCK_HOLDER,
     POOL_LOCK_HOLDER,
     SEGMENT_HOLDER,
     end,
     start_stopped,
 )
-from support import unique_name
 from vllm_helpers import needs_vllm
 
 from shmkv.pending import pending_path
