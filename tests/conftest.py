@@ -1,9 +1,9 @@
 """Shared fixtures.  Every test gets unique segment names and every segment it makes is
 unlinked, whatever happens; processes are ended by PID."""
 import os
-import uuid
 
 import pytest
+from support import ISAS, SMALL, unique_name, unlink_segment
 
 import shmkv
 from shmkv import _attention
@@ -14,22 +14,6 @@ _SRC = os.path.join(os.path.dirname(_HERE), "src", "shmkv")
 assert not os.path.abspath(shmkv.__file__).startswith(_SRC), (
     f"tests must run against the installed package, imported {shmkv.__file__}")
 
-SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=64, block_size=4,
-             max_seqs=32)
-
-
-def unique_name(tag="t"):
-    return f"shmkv-test-{tag}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-
-
-def _unlink(name):
-    import posix_ipc
-
-    try:
-        posix_ipc.unlink_shared_memory("/" + name.lstrip("/"))
-    except posix_ipc.ExistentialError:
-        pass
-
 
 @pytest.fixture
 def seg_name():
@@ -38,7 +22,7 @@ def seg_name():
     try:
         yield name
     finally:
-        _unlink(name)
+        unlink_segment(name)
 
 
 @pytest.fixture
@@ -59,7 +43,7 @@ def make_cache():
     finally:
         for x in made:
             if isinstance(x, str):
-                _unlink(x)
+                unlink_segment(x)
             else:
                 x.close()
 
@@ -101,12 +85,6 @@ def spawn(procs):
 
     start.ctx = ctx
     return start
-
-
-# The attention kernel's instruction-set paths this CPU can run (scalar runs everywhere).
-# "amx" is avx512 with the prefill items on AMX-BF16 tiles.
-_ISA_ORDER = ("scalar", "avx2", "avx512", "amx")
-ISAS = [n for n in _ISA_ORDER if _ISA_ORDER.index(n) <= _ISA_ORDER.index(_attention.cpu_isa())]
 
 
 @pytest.fixture(params=ISAS)

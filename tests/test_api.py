@@ -6,8 +6,8 @@ import os
 import numpy as np
 import posix_ipc
 import pytest
-from conftest import SMALL
-from mp_workers import assert_consistent, assert_same, read_via_views, tokens
+from support import SMALL
+from workers.mp_workers import assert_consistent, assert_same, read_via_views, tokens
 
 import shmkv
 

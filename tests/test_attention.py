@@ -7,10 +7,10 @@ import os
 
 import numpy as np
 import pytest
-from attn_workers import tokens as _tokens
-from attn_workers import writer as _writer
-from conftest import ISAS
-from recovery_workers import segment_bytes
+from support import ISAS
+from workers.attn_workers import tokens as _tokens
+from workers.attn_workers import writer as _writer
+from workers.recovery_workers import segment_bytes
 
 import shmkv
 from shmkv import _attention, _core

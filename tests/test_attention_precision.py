@@ -18,8 +18,8 @@ import zlib
 
 import numpy as np
 import pytest
-from attn_golden import CASES, RECORDED_ISAS, THREADS, digest, pool_input, run_case
-from conftest import ISAS
+from support import ISAS
+from support.attn_golden import CASES, RECORDED_ISAS, THREADS, digest, pool_input, run_case
 
 from shmkv import _attention
 

@@ -4,7 +4,7 @@ line up with the 32-key steps, keys split over threads -- every ISA path against
 float64 reference (test_attention.reference)."""
 import numpy as np
 import pytest
-from conftest import ISAS
+from support import ISAS
 from test_attention import _table_entry, assert_close, fill, reference
 
 import shmkv

@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-from recovery_workers import tokens
-from stopped_helpers import SEGMENT_HOLDER, end, start_stopped
+from support.stopped_helpers import SEGMENT_HOLDER, end, start_stopped
+from workers.recovery_workers import tokens
 
 import shmkv
 import shmkv._core as _core

@@ -19,10 +19,10 @@ import urllib.error
 import urllib.request
 import uuid
 
-import cli_workers
 import numpy as np
 import pytest
-from procout import readline_with, stderr_lines
+from support.procout import readline_with, stderr_lines
+from workers import cli_workers
 
 import shmkv
 import shmkv._core as core

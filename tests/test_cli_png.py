@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from procout import stderr_lines
+from support.procout import stderr_lines
 
 pytest.importorskip("PIL", reason="the control run draws a PNG with the real Pillow")
 

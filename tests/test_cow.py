@@ -2,7 +2,7 @@
 it is written, so what one sequence gathers is never changed by another."""
 import numpy as np
 import pytest
-from mp_workers import assert_consistent, assert_same, empty_kv, tokens
+from workers.mp_workers import assert_consistent, assert_same, empty_kv, tokens
 
 
 class Seqs:

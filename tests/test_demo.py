@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from procout import stderr_lines
+from support.procout import stderr_lines
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

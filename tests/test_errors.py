@@ -11,7 +11,7 @@ import types
 
 import numpy as np
 import pytest
-from mp_workers import assert_consistent, assert_same, footprint, tokens
+from workers.mp_workers import assert_consistent, assert_same, footprint, tokens
 
 import shmkv
 

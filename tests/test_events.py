@@ -9,11 +9,11 @@ import sys
 import time
 from typing import Any, List, Optional, Union
 
-import event_workers as W
 import numpy as np
 import pytest
-from conftest import SMALL, unique_name
-from procout import readline_with
+from support import SMALL, unique_name
+from support.procout import readline_with
+from workers import event_workers as W
 
 import shmkv
 

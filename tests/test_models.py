@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from real_workers import convert
+from workers.real_workers import convert
 
 import shmkv.models as models
 

@@ -1,12 +1,12 @@
 """Several processes, one segment: sequences by id across processes, zero-copy writes seen
 everywhere, concurrent churn and races for the last blocks and slots.  Workers live in
-mp_workers.py and run in "spawn" children."""
+workers/mp_workers.py and run in "spawn" children."""
 import os
 
-import mp_workers as w
 import numpy as np
 import pytest
-from mp_workers import assert_consistent, assert_same, read_report, tokens
+from workers import mp_workers as w
+from workers.mp_workers import assert_consistent, assert_same, read_report, tokens
 
 import shmkv
 

@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import SMALL, unique_name
+from support import SMALL, unique_name
 
 import shmkv
 from shmkv.cli import main as cli_main

@@ -9,7 +9,8 @@ import threading
 
 import numpy as np
 import pytest
-from recovery_workers import segment_bytes
+from workers import pcache_workers
+from workers.recovery_workers import segment_bytes
 
 import shmkv
 import shmkv._core as _core
@@ -102,7 +103,7 @@ def test_blocks_in_another_process_cache_are_not_full(make_cache, spawn):
     slots are drained back first."""
     cache = make_cache(num_blocks=24, max_seqs=8)
     ready, go = spawn.ctx.Event(), spawn.ctx.Event()
-    p = spawn(__import__("pcache_workers").fill_cache_and_wait, cache.name, 5, ready, go)
+    p = spawn(pcache_workers.fill_cache_and_wait, cache.name, 5, ready, go)
     assert ready.wait(30)
     peer = [x for x in _core.snapshot(cache.name)["processes"] if x["pid"] == p.pid][0]
     assert peer["cached_blocks"] > 0 and peer["cached_seq_slots"] > 0
@@ -127,7 +128,7 @@ def test_blocks_in_another_process_cache_are_not_full(make_cache, spawn):
 
 def test_a_dead_process_cache_is_reclaimed(cache, spawn):
     ready = spawn.ctx.Event()
-    p = spawn(__import__("pcache_workers").fill_cache_and_die, cache.name, ready)
+    p = spawn(pcache_workers.fill_cache_and_die, cache.name, ready)
     p.join(30)
     assert p.exitcode == 0 and ready.is_set()
     snap = _core.snapshot(cache.name)
@@ -155,7 +156,7 @@ def test_death_inside_a_fast_path(cache, spawn, point):
     k = np.full((cfg.num_layers, 3 * bs, cfg.num_kv_heads, cfg.head_dim), 5, cfg.numpy_dtype)
     cache.append(sid, k, k)
     cache.detach(sid)
-    p = spawn(__import__("pcache_workers").die_in_fast_path, cache.name, point, sid)
+    p = spawn(pcache_workers.die_in_fast_path, cache.name, point, sid)
     p.join(30)
     assert p.exitcode == 86, "the crash point did not fire"
     before = cache.stats()["recoveries"]

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import unique_name
-from stopped_helpers import end, start_stopped
+from support import unique_name
+from support.stopped_helpers import end, start_stopped
 
 import shmkv
 from shmkv.pending import (

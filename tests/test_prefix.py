@@ -9,8 +9,8 @@ import os
 import time
 
 import numpy as np
-import prefix_workers as pw
 import pytest
+from workers import prefix_workers as pw
 
 import shmkv
 from shmkv import _core

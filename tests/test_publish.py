@@ -9,9 +9,9 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from hf_workers import VOCAB, make_model
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaModel
+from workers.hf_workers import VOCAB, make_model
 
 from shmkv.integrations.transformers import ShmkvCache, config_for
 

@@ -8,7 +8,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from mp_workers import exact_quantized
+from workers.mp_workers import exact_quantized
 
 import shmkv
 from shmkv import _quant

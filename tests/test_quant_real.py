@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import unique_name  # noqa: E402
+from support import unique_name  # noqa: E402
 
 import shmkv  # noqa: E402
 from shmkv.integrations.transformers import ShmkvCache, calibrate_kv_scales, config_for  # noqa: E402

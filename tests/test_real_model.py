@@ -11,8 +11,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from real_workers import BLOCK, SYSTEM, chat_ids, chat_turn, load, next_turn, prefill
 from transformers import DynamicCache
+from workers.real_workers import BLOCK, SYSTEM, chat_ids, chat_turn, load, next_turn, prefill
 
 from shmkv.integrations.transformers import ShmkvCache, config_for
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from recovery_workers import segment_bytes, tokens
+from workers.recovery_workers import segment_bytes, tokens
 
 import shmkv
 import shmkv._core as _core

@@ -4,8 +4,9 @@ import os
 
 import numpy as np
 import pytest
-from conftest import SMALL, _unlink, unique_name
-from recovery_workers import segment_bytes, tokens
+from support import SMALL, unique_name, unlink_segment
+from workers import recovery_workers
+from workers.recovery_workers import segment_bytes, tokens
 
 import shmkv
 import shmkv._core as _core
@@ -19,7 +20,7 @@ def test_racing_open_one_creator(procs):
     try:
         barrier, q = ctx.Barrier(4), ctx.Queue()
         for _ in range(4):
-            p = ctx.Process(target=__import__("recovery_workers").open_segment,
+            p = ctx.Process(target=recovery_workers.open_segment,
                             args=(name, cfg, barrier, q))
             p.start()
             procs.append(p)
@@ -30,7 +31,7 @@ def test_racing_open_one_creator(procs):
         assert sum(created for _, created, _ in got) == 1
         assert all(same for _, _, same in got)
     finally:
-        _unlink(name)
+        unlink_segment(name)
 
 
 def test_create_race_loser_gets_file_exists(seg_name):
@@ -51,7 +52,7 @@ def test_death_holding_the_pool_lock(cache, procs, point):
     sid = cache.create_sequence()
     cache.append(sid, tokens(cfg, 3, 1), tokens(cfg, 3, 1))
     cache.detach(sid)
-    p = ctx.Process(target=__import__("recovery_workers").die_at,
+    p = ctx.Process(target=recovery_workers.die_at,
                     args=(cache.name, point, sid, 2 * cfg.block_size))
     p.start()
     procs.append(p)
@@ -82,7 +83,7 @@ def test_death_holding_a_sequence_lock(cache, procs, point, published):
     cache.append(sid, tokens(cfg, 3, 1), tokens(cfg, 3, 1))   # partial last block
     cache.detach(sid)
     keep = cache.fork(sid) if point.startswith("cow") else None   # makes the append COW
-    p = ctx.Process(target=__import__("recovery_workers").die_at,
+    p = ctx.Process(target=recovery_workers.die_at,
                     args=(cache.name, point, sid, 2))
     p.start()
     procs.append(p)
@@ -109,7 +110,7 @@ def test_death_holding_a_sequence_lock(cache, procs, point, published):
 @pytest.mark.parametrize("detach_one", [False, True])
 def test_dead_owner_sequences_are_reclaimed_detached_survive(cache, procs, detach_one):
     q = ctx.Queue()
-    p = ctx.Process(target=__import__("recovery_workers").own_and_exit,
+    p = ctx.Process(target=recovery_workers.own_and_exit,
                     args=(cache.name, q, detach_one))
     p.start()
     procs.append(p)
@@ -214,7 +215,7 @@ def test_attach_fails_when_its_recovery_pass_fails(cache, procs):
         f.write(struct.pack("<Q", (me["gen"] << 32) | (me["slot"] + 1)))
     try:
         q = ctx.Queue()
-        p = ctx.Process(target=__import__("recovery_workers").attach_with_recovery,
+        p = ctx.Process(target=recovery_workers.attach_with_recovery,
                         args=(cache.name, 0.5, q))
         p.start()
         procs.append(p)

@@ -6,12 +6,12 @@ import os
 
 import numpy as np
 import pytest
-from conftest import unique_name
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from mp_workers import assert_same, footprint, tokens
+from support import unique_name
+from workers.mp_workers import assert_same, footprint, tokens
 
 import shmkv
 

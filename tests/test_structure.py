@@ -7,7 +7,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import _unlink, unique_name
+from support import unique_name, unlink_segment
+from workers import struct_workers
 
 import shmkv
 import shmkv._core as _core
@@ -24,7 +25,7 @@ CASES = [("create_mid", "create"), ("fork_mid", "fork"), ("free_mid", "free"),
 
 
 def _run_worker(cache, procs, point, op, disarm=False):
-    p = ctx.Process(target=__import__("struct_workers").die_in,
+    p = ctx.Process(target=struct_workers.die_in,
                     args=(cache.name, point, op, disarm))
     p.start()
     procs.append(p)
@@ -99,7 +100,7 @@ def test_typed_api_script_runs():
         runpy.run_path(path, run_name="__main__")
     finally:
         sys.argv = argv
-        _unlink(name)
+        unlink_segment(name)
     with pytest.raises(FileNotFoundError):             # the script unlinked it itself
         shmkv.KVCache.attach(name)
 
@@ -120,4 +121,4 @@ def test_typed_api_script_catches_a_wrong_result(monkeypatch):
         with pytest.raises(AssertionError):
             mod["main"](name)
     finally:
-        _unlink(name)
+        unlink_segment(name)

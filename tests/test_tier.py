@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import _unlink, unique_name
+from support import unique_name, unlink_segment
 
 import shmkv
 
@@ -51,7 +51,7 @@ def hosts(cluster):
     finally:
         for x in reversed(made):
             if isinstance(x, str):
-                _unlink(x)
+                unlink_segment(x)
             else:
                 x.close()
 
@@ -407,7 +407,7 @@ def test_hash_seed(seg_name):
         c.close()
     finally:
         del os.environ["SHMKV_HASH_SEED"]
-        _unlink(name)
+        unlink_segment(name)
 
 
 def test_the_tier_port_is_all_the_tier_does_to_the_cache(seg_name):

@@ -11,10 +11,10 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from hf_workers import VOCAB, make_model, model_config, prefill_prompt
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from workers.hf_workers import VOCAB, make_model, model_config, prefill_prompt
 
 import shmkv
 import shmkv.integrations.transformers.attention as hf_attention

@@ -6,7 +6,8 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
-from mp_workers import assert_same, footprint, tokens
+from workers import truncate_workers
+from workers.mp_workers import assert_same, footprint, tokens
 
 import shmkv
 import shmkv._core as _core
@@ -228,7 +229,7 @@ def test_another_process_truncates(cache, spawn):
     bs = cache.config.block_size
     sid, k, v = _filled(cache, 3 * bs, 1, np.arange(3 * bs))
     keep = cache.fork(sid)
-    p = spawn(__import__("truncate_workers").truncate_and_append, cache.name, sid,
+    p = spawn(truncate_workers.truncate_and_append, cache.name, sid,
               bs + 1, 9, 3)
     p.join(timeout=60)
     assert p.exitcode == 0
@@ -255,7 +256,7 @@ def test_death_inside_truncate(cache, spawn, shared):
     other, ko, _ = _filled(cache, 2 * bs, 2)
     keep = cache.fork(sid) if shared else None
     n = bs + 1
-    p = spawn(__import__("truncate_workers").die_in_truncate, cache.name, sid, n)
+    p = spawn(truncate_workers.die_in_truncate, cache.name, sid, n)
     p.join(timeout=60)
     assert p.exitcode == 86, "truncate_mid did not fire"
     cache.recover()

@@ -3,7 +3,7 @@ is a regular file (no link followed) owned by the caller's user or one the calle
 root gets the same rule.  New files: O_EXCL, mode and group as asked.
 
 The other user is real: ``nobody`` (uid 65534) creates and attaches segments in a process
-that dropped root's privileges (trust_workers.py), or is given root's files with
+that dropped root's privileges (workers/trust_workers.py), or is given root's files with
 ``os.chown``; so these tests need root (CI runs as root)."""
 import grp
 import json
@@ -14,14 +14,15 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SMALL, unique_name
+from support import SMALL, unique_name
 
 import shmkv
 from shmkv.pending import PendingMarks, pending_path
 
 NOBODY = 65534
 SHM = "/dev/shm"
-WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trust_workers.py")
+WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
+                       "trust_workers.py")
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="making another user's file needs root (CI runs as root)")
@@ -32,8 +33,8 @@ def cfg():
 
 
 def as_nobody(*args):
-    """Runs trust_workers.py, which becomes uid/gid 65534 (no supplementary groups) before
-    its shmkv call; its JSON."""
+    """Runs workers/trust_workers.py, which becomes uid/gid 65534 (no supplementary groups)
+    before its shmkv call; its JSON."""
     p = subprocess.run([sys.executable, WORKERS, *args], cwd="/tmp", capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr

@@ -1,7 +1,7 @@
 """Regenerates tests/data/attention_default.json: the digests of the attention kernel's
 default-precision results on every scalar/vector path this CPU runs (see
-tests/attn_golden.py).  Run it only for a deliberate change to the default arithmetic, and
-say so in the commit; paths this CPU cannot run keep their recorded digests.
+tests/support/attn_golden.py).  Run it only for a deliberate change to the default
+arithmetic, and say so in the commit; paths this CPU cannot run keep their recorded digests.
 
     .venv/bin/python tools/attention_golden.py
 """
@@ -13,7 +13,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from attn_golden import digests  # noqa: E402
+from support.attn_golden import digests  # noqa: E402
 
 PATH = os.path.join(HERE, "..", "tests", "data", "attention_default.json")
 

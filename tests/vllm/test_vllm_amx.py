@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import unique_name  # tests/conftest.py
+from support import unique_name
 
 from shmkv._vcopy import _force_transpose_isa
 from shmkv.integrations.vllm.layout import LAYOUTS, CpuLayout, _c_ok, probe_layout

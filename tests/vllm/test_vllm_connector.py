@@ -11,8 +11,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import unique_name  # tests/conftest.py
 from serve_helpers import side_by_side
+from support import unique_name
 from vllm_helpers import FAULT, SB, VB, _model_dir, _prompts, _run_engine, expected_hit
 
 try:

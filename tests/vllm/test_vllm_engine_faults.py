@@ -51,9 +51,9 @@ import time
 import numpy as np
 import pytest
 from configs_helpers import run_engine, tiny_llama, unlink
-from conftest import unique_name  # tests/conftest.py
 from serve_helpers import ServeInstance, connector_config, post_json
-from stopped_helpers import (
+from support import unique_name
+from support.stopped_helpers import (
     FLOCK_HOLDER,
     POOL_LOCK_HOLDER,
     SEGMENT_HOLDER,

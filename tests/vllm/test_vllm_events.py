@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from procout import readline_with
+from support.procout import readline_with
 
 BS = 16
 SHMKV = [sys.executable, "-m", "shmkv"]

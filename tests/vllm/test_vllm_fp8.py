@@ -15,7 +15,7 @@ import functools
 import numpy as np
 import pytest
 from configs_helpers import engine_config, model_dir, prompt_ids, run_engine, unlink
-from conftest import unique_name  # tests/conftest.py
+from support import unique_name
 
 VB = 128
 N_PROMPT, N_GEN = 600, 16

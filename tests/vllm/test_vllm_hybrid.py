@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from configs_helpers import GEMMA3_LAYER_TYPES as LAYER_TYPES
 from configs_helpers import run_engine, tiny_gemma3, unlink
-from conftest import unique_name  # tests/conftest.py
+from support import unique_name
 
 VB, BS, GEN, N = 128, 16, 12, 400
 

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import unique_name  # tests/conftest.py
+from support import unique_name
 from vllm_helpers import VB, _model_dir, needs_vllm
 
 pytestmark = needs_vllm

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import unique_name  # tests/conftest.py
-from stopped_helpers import POOL_LOCK_HOLDER, end, start_stopped
+from support import unique_name
+from support.stopped_helpers import POOL_LOCK_HOLDER, end, start_stopped
 from vllm_helpers import VB, needs_vllm, runner_step, runner_worker
 
 pytestmark = needs_vllm

@@ -35,7 +35,6 @@ import threading
 import time
 
 import pytest
-from conftest import unique_name  # tests/conftest.py
 from serve_helpers import (
     BF16_LOGPROB_TOL,
     LOGPROBS,
@@ -51,6 +50,7 @@ from serve_helpers import (
 )
 from serve_helpers import check_kv as _check_kv
 from serve_helpers import stored_kv as _stored
+from support import unique_name
 from vllm_helpers import SB, VB, _model_dir
 
 try:

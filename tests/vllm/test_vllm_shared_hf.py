@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from configs_helpers import model_dir, prompt_ids, run_engine, unlink
-from conftest import unique_name  # tests/conftest.py
+from support import unique_name
 
 VB, BS = 128, 16
 N_H, N_V, GEN = 600, 520, 12

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import unique_name  # tests/conftest.py
+from support import unique_name
 from vllm_helpers import SB, VB, _model_dir, _prompts, _run_engine, expected_hit
 
 try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from configs_helpers import run_engine, tiny_llama, unlink
-from conftest import unique_name  # tests/conftest.py
+from support import unique_name
 
 VB, BS, GEN = 128, 16, 8
 

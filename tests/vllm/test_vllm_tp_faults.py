@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import unique_name  # tests/conftest.py
+from support import unique_name
 from vllm_helpers import VB, needs_vllm
 
 pytestmark = needs_vllm

@@ -16,7 +16,7 @@ import signal
 
 import numpy as np
 import pytest
-from conftest import unique_name  # tests/conftest.py
+from support import unique_name
 from vllm_helpers import VB, runner_step, runner_worker
 
 try:

@@ -2,7 +2,7 @@
 import os
 
 import numpy as np
-from mp_workers import tokens
+from workers.mp_workers import tokens
 
 import shmkv
 import shmkv._core as _core

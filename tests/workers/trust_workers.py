@@ -1,5 +1,5 @@
-"""Run by tests/test_trust.py as root (``python trust_workers.py CMD NAME [ARG]``): it
-imports what it needs, becomes ``nobody`` (uid and gid 65534, no supplementary groups:
+"""Run by tests/test_trust.py as root (``python workers/trust_workers.py CMD NAME [ARG]``):
+it imports what it needs, becomes ``nobody`` (uid and gid 65534, no supplementary groups:
 setgroups, setresgid, setresuid, so no capability is left), makes one shmkv call and
 prints one JSON line with what happened.  It drops privileges itself rather than being
 started by ``setpriv``: the interpreter may live where nobody cannot read (/root/.pyenv).
