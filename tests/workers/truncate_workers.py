@@ -2,10 +2,10 @@
 import os
 
 import numpy as np
-from workers.mp_workers import tokens
 
 import shmkv
 import shmkv._core as _core
+from workers.mp_workers import tokens
 
 
 def truncate_and_append(name, sid, n, seed, extra):
