@@ -9,6 +9,7 @@ of ``kernels/*.h`` (through ``_core.pxd``) and binds their debug switches to ``_
 at import.  ``shmkv._attention`` is the paged-attention kernel (``kernels/attention.c``)
 with its wrapper.  ``SHMKV_DEBUG=1`` builds the debug variant: C asserts and the
 ``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
+``shmkv._checksum`` is the tier's value checksum (kernels/checksum.h).
 
 The generated C (``src/shmkv/_*.c``) is of one variant at a time, named in ``.cython-variant``:
 a build of the other variant regenerates it (cythonize compares only timestamps, and a
@@ -70,7 +71,8 @@ CHAIN = [("_core", []), ("_inspect", ["_inspect"]), ("_prefix", ["_inspect", "_p
          ("_quant", ["_inspect", "_prefix", "_sequences", "_quant"]),
          ("_kvdata", ["_inspect", "_prefix", "_sequences", "_quant"]),
          ("_events", []),       # the KV event ring's reader (not a link of the chain)
-         ("_vcopy", [])]        # the vLLM connector's block copy (no segment access)
+         ("_vcopy", []),        # the vLLM connector's block copy (no segment access)
+         ("_checksum", [])]     # the tier's value checksum (kernels/checksum.h)
 
 
 def _module(name, pxds):
