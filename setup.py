@@ -46,7 +46,7 @@ directives = {
     "freethreading_compatible": False,
 }
 
-cflags = ["-std=gnu11", "-Wall", "-Wno-unused-function", "-Wno-unreachable-code"]
+cflags = ["-std=gnu11", "-Wall", "-Wno-unreachable-code"]
 if DEBUG:
     cflags += ["-O0", "-g", "-DSHMKV_DEBUG=1", "-UNDEBUG"]
 else:

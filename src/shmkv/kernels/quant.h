@@ -458,7 +458,7 @@ SHMKV_QT5 int shmkv_quant_e4m3_avx512(const void *x, int f16, uint32_t layers, u
 #define SHMKV_QUANT_HAVE_AVX512 0
 #endif
 
-static int shmkv_quant_i8(const void *x, int f16, uint64_t rows, uint32_t d, int8_t *q,
+static inline int shmkv_quant_i8(const void *x, int f16, uint64_t rows, uint32_t d, int8_t *q,
                           float *s) {
 #if SHMKV_QUANT_HAVE_AVX512
     if (shmkv_quant_isa() == 2) return shmkv_quant_i8_avx512(x, f16, rows, d, q, s);
@@ -469,7 +469,7 @@ static int shmkv_quant_i8(const void *x, int f16, uint64_t rows, uint32_t d, int
     return shmkv_quant_i8_c(x, f16, rows, d, q, s);
 }
 
-static int shmkv_quant_e4m3(const void *x, int f16, uint32_t layers, uint64_t n,
+static inline int shmkv_quant_e4m3(const void *x, int f16, uint32_t layers, uint64_t n,
                             uint32_t heads, uint32_t d, const float *hs, uint8_t *q) {
 #if SHMKV_QUANT_HAVE_AVX512
     if (shmkv_quant_isa() == 2)
@@ -483,7 +483,7 @@ static int shmkv_quant_e4m3(const void *x, int f16, uint32_t layers, uint64_t n,
 }
 
 /* rows rows of d codes with one scale each -> floats. */
-static void shmkv_dequant_i8(const int8_t *q, const float *s, uint64_t rows, uint32_t d,
+static inline void shmkv_dequant_i8(const int8_t *q, const float *s, uint64_t rows, uint32_t d,
                              float *x) {
 #if SHMKV_QUANT_HAVE_AVX2
     if (d % 8 == 0 && shmkv_quant_isa() >= 1) { shmkv_dequant_i8_avx2(q, s, rows, d, x); return; }
@@ -500,7 +500,7 @@ static void shmkv_dequant_i8(const int8_t *q, const float *s, uint64_t rows, uin
  * 256-entry table built per call (the bit trick above multiplies float32 denormals for
  * the subnormal codes: a microcode assist each, 256 of them here instead of one per
  * element). */
-static void shmkv_dequant_e4m3(const uint8_t *q, uint32_t layers, uint64_t n, uint32_t heads,
+static inline void shmkv_dequant_e4m3(const uint8_t *q, uint32_t layers, uint64_t n, uint32_t heads,
                                uint32_t d, const float *hs, float *x) {
     float lut[256];
     for (uint32_t i = 0; i < 256; i++) lut[i] = shmkv_e4m3_to_f32((uint8_t)i);
