@@ -13,7 +13,8 @@ from conftest import ISAS
 from recovery_workers import segment_bytes
 
 import shmkv
-from shmkv import _attention, _core
+from shmkv import _attention, _bench
+from shmkv.inspect import struct_layout
 
 DTYPES = ["float32", "float16", "bfloat16"]
 QDTYPES = ["int8", "float8_e4m3"]     # quantized pools: the reference reads gather()'s
@@ -345,24 +346,24 @@ def test_thread_and_isa_knobs(threads):
 
 def test_read_floor_helper():
     buf = np.ones(1 << 20, np.uint8)
-    assert _attention.bench_read(buf) > 0
-    assert _attention.bench_read(buf, threads=1) > 0
+    assert _bench.bench_read(buf) > 0
+    assert _bench.bench_read(buf, threads=1) > 0
 
 
 def test_fma_rate_helper(isa):
     """The benchmark's dot-product bound: lane-FMAs per second in the path's width.  A
     vector path runs several lanes per FMA: far above the scalar rate of the same CPU."""
-    rate = _attention.bench_fma(threads=1, rounds=200_000)
+    rate = _bench.bench_fma(threads=1, rounds=200_000)
     assert rate > 0
     if isa != "scalar":
         _attention._force_isa("scalar")
         try:
-            assert rate > 3 * _attention.bench_fma(threads=1, rounds=50_000)
+            assert rate > 3 * _bench.bench_fma(threads=1, rounds=50_000)
         finally:
             _attention._force_isa(isa)
     for bad in ({"threads": -1}, {"threads": 5000}, {"rounds": 0}):
         with pytest.raises(ValueError, match="expected"):
-            _attention.bench_fma(**bad)
+            _bench.bench_fma(**bad)
 
 
 # ---- bad input: the contract's errors, and the segment unchanged ----------------------------
@@ -459,7 +460,7 @@ def test_attention_after_close_is_an_error(make_cache):
 # ---- a hostile segment ----------------------------------------------------------------------
 def _seq_field(cache, sid, field):
     lay = cache._debug_info()["layout"]
-    seq = _core.struct_layout()["seq"]
+    seq = struct_layout()["seq"]
     off, code = seq["fields"][field]
     slot = sid % cache.config.max_seqs
     return np.ndarray((1,), np.dtype(code), buffer=segment_bytes(cache),

@@ -6,8 +6,9 @@
  * the path is chosen at run time from the CPU's features (SHMKV_ATTN_ISA forces one).
  * Its other parts, each included once below: attention_amx.h (prefill on AMX tiles),
  * attention_dot.h and attention_dot_gemm.h (the opt-in bf16 mode on vdpbf16ps / vpdpbusd),
- * attention_pool.h (the threads), attention_plan.h (the work split and the merge),
- * attention_floor.h (the read floor and FMA peak the benchmarks compare with).
+ * attention_pool.h (the threads), attention_plan.h (the work split and the merge).  The
+ * benchmarks' read floor and FMA peak are shmkv._bench's (bench_floor.h), on this pool's
+ * threads through shmkv_attn_run_timed.
  */
 #define _GNU_SOURCE 1
 #include "attention.h"
@@ -550,4 +551,41 @@ out:
     return st;
 }
 
-#include "attention_floor.h"    /* the build string, the read floor, the FMA peak */
+/* ---- the build ------------------------------------------------------------------------
+ * The compiler and whether it optimised: what the default mode's recorded result digests
+ * (tests/data/attention_default.json) belong to -- another compiler, or -O0, may contract
+ * and order float operations differently. */
+#if defined(__clang__)
+#define SHMKV_CC "clang " __clang_version__
+#elif defined(__GNUC__)
+#define SHMKV_CC "gcc " __VERSION__
+#else
+#define SHMKV_CC "cc"
+#endif
+#if defined(__OPTIMIZE__)
+#define SHMKV_OPT ", optimised"
+#else
+#define SHMKV_OPT ", -O0"
+#endif
+const char *shmkv_attn_build(void) { return SHMKV_CC SHMKV_OPT; }
+
+/* ---- one timed task per thread (the benchmarks' floors, shmkv._bench) ------------------ */
+double shmkv_attn_run_timed(shmkv_task_fn fn, void *job, int threads, int *used,
+                            void (*setup)(void *job, int t)) {
+    pthread_once(&shmkv_att_once, shmkv_att_init);
+    pthread_mutex_lock(&P.call_mu);
+    double secs = -1;
+    if (shmkv_pool_start() == 0) {
+        int t = threads <= 0 || threads > P.wanted ? P.wanted : threads;
+        if (t > 256) t = 256;
+        setup(job, t);
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        shmkv_pool_run(fn, job, (uint32_t)t, t);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+        *used = t;
+    }
+    pthread_mutex_unlock(&P.call_mu);
+    return secs;
+}

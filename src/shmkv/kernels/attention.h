@@ -89,12 +89,13 @@ const char *shmkv_attn_pool(void);
 /* The compiler that built the kernel and whether it optimised ("gcc 12.2.0, optimised"). */
 const char *shmkv_attn_build(void);
 
-/* The read floor: every byte of buf read once by `threads` threads (0 = the pool's).
- * Returns seconds; *sink receives a checksum so the reads cannot be optimised away. */
-double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink);
-/* The FMA peak: float32 lane-FMAs per second of `threads` threads (0 = the pool's), each
- * running n rounds of independent FMAs from registers (16 chains of 16 lanes for
- * avx512/amx, 12 of 8 for avx2, 16 scalar).  *sink receives the results' sum. */
-double shmkv_bench_fma(uint64_t n, int threads, double *sink);
+/* One task of the pool: item `item` of a job, on thread `tid`. */
+typedef void (*shmkv_task_fn)(void *ctx, uint32_t item, int tid);
+/* For the benchmarks' floors (shmkv._bench, kernels/bench_floor.h): setup(job, t), then
+ * tasks 0..t-1 of fn on t threads of the pool (threads 0: all, at most 256), one call at a
+ * time like the kernel's.  Returns the seconds the tasks took, or -1 (the pool did not
+ * start); *used: t.  Not a Python name: shmkv._attention exports it to shmkv._bench. */
+double shmkv_attn_run_timed(shmkv_task_fn fn, void *job, int threads, int *used,
+                            void (*setup)(void *job, int t));
 
 #endif

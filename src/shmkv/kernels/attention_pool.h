@@ -5,7 +5,6 @@
  * own: it uses what attention.c defines above the include.
  */
 /* ---- the thread pool ------------------------------------------------------------------ */
-typedef void (*shmkv_task_fn)(void *ctx, uint32_t item, int tid);
 
 typedef struct {                /* one thread's scratch, grown, never shrunk */
     float *buf;
