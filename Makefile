@@ -12,7 +12,7 @@ VCONSTRAINTS := constraints/vllm.txt
 PIPI   := $(PIP) install -q -c $(CONSTRAINTS)
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
-SRC    := $(wildcard src/shmkv/*.py src/shmkv/*.pyx src/shmkv/*.pxd src/shmkv/*.pyi src/shmkv/py.typed src/shmkv/*.h src/shmkv/*/*.py src/shmkv/*/*/*.py src/shmkv/kernels/*.h src/shmkv/kernels/*.c) setup.py pyproject.toml
+SRC    := $(wildcard src/shmkv/*.py src/shmkv/*.pyx src/shmkv/*.pxd src/shmkv/*.pyi src/shmkv/py.typed src/shmkv/*.h src/shmkv/*/*.py src/shmkv/*/*/*.py src/shmkv/kernels/*.h src/shmkv/kernels/*.inc src/shmkv/kernels/*.c src/shmkv/kernels/*.txt) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
 .PHONY: all help install model demo test micro test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \

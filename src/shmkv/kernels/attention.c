@@ -1,12 +1,12 @@
 /*
  * kernels/attention.c -- the paged-attention kernel: work split, thread pool, ISA dispatch.
- * See attention.h for the contract.  The per-ISA inner loops are attention_isa.h, compiled
+ * See attention.h for the contract.  The per-ISA inner loops are attention_isa.inc, compiled
  * three times below (scalar, AVX2+F16C+FMA, AVX-512 F/BW/VL+F16C) under GCC target pragmas
  * (clang: `#pragma clang attribute` target attributes, since clang ignores GCC's);
  * the path is chosen at run time from the CPU's features (SHMKV_ATTN_ISA forces one).
- * Its other parts, each included once below: attention_amx.h (prefill on AMX tiles),
- * attention_dot.h and attention_dot_gemm.h (the opt-in bf16 mode on vdpbf16ps / vpdpbusd),
- * attention_pool.h (the threads), attention_plan.h (the work split and the merge).  The
+ * Its other parts, each included once below: attention_amx.inc (prefill on AMX tiles),
+ * attention_dot.inc and attention_dot_gemm.inc (the opt-in bf16 mode on vdpbf16ps / vpdpbusd),
+ * attention_pool.inc (the threads), attention_plan.inc (the work split and the merge).  The
  * benchmarks' read floor and FMA peak are shmkv._bench's (bench_floor.h), on this pool's
  * threads through shmkv_attn_run_timed.
  */
@@ -139,7 +139,7 @@ static inline int shmkv_att_slots(const shmkv_attn_args_t *a, const int32_t *tab
  * are exact in bf16; head_dim a multiple of 32); the item then needs nrows > 1 as well. */
 static inline int shmkv_att_tiles(const shmkv_attn_args_t *a, int isa) {
     /* the opt-in bf16 mode runs on AVX512_BF16 instead: its q is q * scale rounded, the
-     * tiles take q as given and scale the scores (see attention_dot.h) */
+     * tiles take q as given and scale the scores (see attention_dot.inc) */
     return isa >= SHMKV_ISA_AMX && a->d % 32 == 0 && a->precision != SHMKV_PREC_BF16;
 }
 
@@ -184,7 +184,7 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 /* ---- the per-ISA item loop ------------------------------------------------------------ */
 #define SHMKV_ISA_SUFFIX scalar
 #define SHMKV_ISA_PASS 0
-#include "attention_isa.h"
+#include "attention_isa.inc"
 #undef SHMKV_ISA_SUFFIX
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -198,7 +198,7 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #define SHMKV_ISA_SUFFIX avx2
 #undef SHMKV_ISA_PASS
 #define SHMKV_ISA_PASS 1
-#include "attention_isa.h"
+#include "attention_isa.inc"
 #undef SHMKV_ISA_SUFFIX
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -215,7 +215,7 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #define SHMKV_ISA_SUFFIX avx512
 #undef SHMKV_ISA_PASS
 #define SHMKV_ISA_PASS 2
-#include "attention_isa.h"
+#include "attention_isa.inc"
 #undef SHMKV_ISA_SUFFIX
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -225,13 +225,13 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #else
 #define SHMKV_HAVE_X86 0
 #endif
-#include "attention_amx.h"
-#include "attention_dot.h"
-#include "attention_dot_gemm.h"
+#include "attention_amx.inc"
+#include "attention_dot.inc"
+#include "attention_dot_gemm.inc"
 
 typedef int (*shmkv_item_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                              uint32_t);
-/* the prefill items on FMAs (attention_gemm.h): the row item's arguments and a scratch */
+/* the prefill items on FMAs (attention_gemm.inc): the row item's arguments and a scratch */
 typedef int (*shmkv_gemm_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                              uint32_t, float *);
 typedef size_t (*shmkv_gemm_scratch_fn)(uint32_t, uint32_t);
@@ -340,7 +340,7 @@ int shmkv_attn_force_rows(int on) {
     return 0;
 }
 
-/* the opt-in mode's items on the dot instructions (attention_dot.h): the row item's
+/* the opt-in mode's items on the dot instructions (attention_dot.inc): the row item's
  * arguments and a scratch */
 typedef int (*shmkv_dot_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                             uint32_t, float *);
@@ -373,7 +373,7 @@ static shmkv_dot_fn shmkv_att_pick_dot(const shmkv_attn_args_t *a) {
     return NULL;
 }
 
-#include "attention_pool.h"     /* the thread pool, and the OpenMP team it may borrow */
+#include "attention_pool.inc"     /* the thread pool, and the OpenMP team it may borrow */
 
 /* ---- the attention job ---------------------------------------------------------------- */
 static shmkv_item_fn shmkv_att_fn;
@@ -469,7 +469,7 @@ static int shmkv_grow(void **buf, size_t *cap, size_t need, size_t elem) {
     return 0;
 }
 
-#include "attention_plan.h"     /* the work split and the merge of split keys */
+#include "attention_plan.inc"     /* the work split and the merge of split keys */
 
 int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     pthread_once(&shmkv_att_once, shmkv_att_init);
