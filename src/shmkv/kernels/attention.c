@@ -135,6 +135,70 @@ static inline int shmkv_att_slots(const shmkv_attn_args_t *a, const int32_t *tab
     return 0;
 }
 
+/* ---- the walk over an item's keys (every item's: one walk) -----------------------------
+ * Keys [t0, t1) in steps of up to n keys (the row items' tiles of TILE, the GEMM items'
+ * steps, the AMX item's chunks), double-buffered: the block ids of the step after this one
+ * are read (once, checked) before this one is worked on, so that its rows can be
+ * prefetched a step ahead.  The caller gives two buffers of n slots and, when it wants the
+ * row addresses too, two of n K and V rows (tok: bytes per token, every head):
+ *     shmkv_walk_t k = { .a = a, .table = table, .t1 = t1, .n = n, .slot = { s0, s1 } };
+ *     if (shmkv_walk_start(&k, t0)) return -1;
+ *     for (; k.nt; shmkv_walk_next(&k)) {
+ *         if (shmkv_walk_ahead(&k)) return -1;
+ *         ... keys [k.ts, k.ts + k.nt) in slot[k.w]; the next step's k.nn in slot[k.w ^ 1]
+ *     }
+ * A corrupt block id fails the item (-1) before the step that holds it, or the one before
+ * it, is worked on. */
+typedef struct {
+    const shmkv_attn_args_t *a;
+    const int32_t *table;
+    uint32_t t1, n;                 /* the end of the keys, keys per step */
+    uint32_t ts, nt;                /* this step: keys [ts, ts + nt); nt 0: the walk is over */
+    uint32_t tn, nn;                /* the next step: keys [tn, tn + nn); nn 0: none */
+    int w;                          /* this step's buffers are [w], the next one's [w ^ 1] */
+    size_t *slot[2];                /* the caller's buffers of n slots */
+    const uint8_t **kb[2], **vb[2]; /* NULL, or the caller's buffers of n K / V rows */
+    size_t tok;                     /* bytes per token, every head (with kb, vb) */
+} shmkv_walk_t;
+
+static inline uint32_t shmkv_walk_len(const shmkv_walk_t *k, uint32_t t) {
+    return t >= k->t1 ? 0 : k->t1 - t < k->n ? k->t1 - t : k->n;
+}
+
+static inline int shmkv_walk_load(shmkv_walk_t *k, int b, uint32_t t, uint32_t n) {
+    if (n == 0) return 0;
+    if (shmkv_att_slots(k->a, k->table, t, n, k->slot[b])) return -1;
+    if (k->kb[b] != NULL)
+        for (uint32_t j = 0; j < n; j++) {
+            k->kb[b][j] = k->a->kpool + k->slot[b][j] * k->tok;
+            k->vb[b][j] = k->a->vpool + k->slot[b][j] * k->tok;
+        }
+    return 0;
+}
+
+/* The first step, its slots (and rows) loaded.  0, or -1 on a corrupt block id. */
+static inline int shmkv_walk_start(shmkv_walk_t *k, uint32_t t0) {
+    k->w = 0;
+    k->ts = t0;
+    k->nt = shmkv_walk_len(k, t0);
+    k->tn = t0 + k->n;
+    k->nn = shmkv_walk_len(k, k->tn);
+    return shmkv_walk_load(k, 0, t0, k->nt);
+}
+
+/* The next step's slots (and rows), loaded at the top of each step.  0, or -1. */
+static inline int shmkv_walk_ahead(shmkv_walk_t *k) {
+    return shmkv_walk_load(k, k->w ^ 1, k->tn, k->nn);
+}
+
+static inline void shmkv_walk_next(shmkv_walk_t *k) {
+    k->ts = k->tn;
+    k->nt = k->nn;
+    k->w ^= 1;
+    k->tn = k->ts + k->n;
+    k->nn = shmkv_walk_len(k, k->tn);
+}
+
 /* Prefill rows go to the AMX tiles under this ISA (every pool dtype: quantized pools' codes
  * are exact in bf16; head_dim a multiple of 32); the item then needs nrows > 1 as well. */
 static inline int shmkv_att_tiles(const shmkv_attn_args_t *a, int isa) {
