@@ -118,8 +118,9 @@ def cpu_isa():
 
 
 def _force_isa(name):
-    """Test hook: force a path ("scalar", "avx2", "avx512", "amx"), or None for the best.
-    ValueError if this CPU cannot run it.  (SHMKV_ATTN_ISA=name does it at import.)"""
+    """Test hook: force a path ("scalar", "avx2", "avx512", "amx"), or None for the default
+    (the CPU's best, capped by SHMKV_ISA=name, or its older name SHMKV_ATTN_ISA, read once
+    at the first probe).  ValueError if this CPU cannot run it."""
     if name is None:
         shmkv_attn_force_isa(-1)
         return

@@ -3,7 +3,7 @@
  * See attention.h for the contract.  The per-ISA inner loops are attention_isa.inc, compiled
  * three times below (scalar, AVX2+F16C+FMA, AVX-512 F/BW/VL+F16C) under GCC target pragmas
  * (clang: `#pragma clang attribute` target attributes, since clang ignores GCC's);
- * the path is chosen at run time from the CPU's features (SHMKV_ATTN_ISA forces one).
+ * the path is chosen at run time from the CPU's level (cpu.h; SHMKV_ISA caps it).
  * Its other parts, each included once below: attention_amx.inc (prefill on AMX tiles),
  * attention_dot.inc and attention_dot_gemm.inc (the opt-in bf16 mode on vdpbf16ps / vpdpbusd),
  * attention_pool.inc (the threads), attention_plan.inc (the work split and the merge).  The
@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#if defined(__x86_64__) && defined(__GNUC__)
+#if SHMKV_X86
 #include <immintrin.h>
 #endif
 
@@ -251,8 +251,7 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #include "attention_isa.inc"
 #undef SHMKV_ISA_SUFFIX
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define SHMKV_HAVE_X86 1
+#if SHMKV_X86
 #if defined(__clang__)     /* clang ignores GCC target pragmas: an attribute on each function */
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
@@ -286,8 +285,6 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #else
 #pragma GCC pop_options
 #endif
-#else
-#define SHMKV_HAVE_X86 0
 #endif
 #include "attention_amx.inc"
 #include "attention_dot.inc"
@@ -305,71 +302,25 @@ typedef size_t (*shmkv_gemm_scratch_fn)(uint32_t, uint32_t);
 #define GEMM_MIN_QV 32
 static int shmkv_att_gemm_off;  /* _attention._force_rows(True): the row item always */
 
-static int shmkv_att_isa_forced = -1;
+static int shmkv_att_isa_forced = -1;  /* _attention._force_isa; -1: the default */
 
-#if SHMKV_HAVE_X86
-/* F16C and FMA from CPUID leaf 1 (clang's __builtin_cpu_supports knows no "f16c") */
-static int shmkv_cpu_f16c_fma(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    return (c >> 29 & 1) && (c >> 12 & 1);
-}
-#endif
-
-static int shmkv_attn_cpu_isa_probe(void) {
-#if SHMKV_HAVE_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && shmkv_cpu_f16c_fma())
-        return shmkv_amx_usable() ? SHMKV_ISA_AMX : SHMKV_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && shmkv_cpu_f16c_fma())
-        return SHMKV_ISA_AVX2;
-#endif
-    return SHMKV_ISA_SCALAR;
-}
-
-/* Probed once per process: CPUID traps to the hypervisor in a VM (13 us a call measured on
- * this project's machines, and every attention call asked three times: 39 us, about a
- * SmolLM2 layer's whole decode attention at short context). */
-int shmkv_attn_cpu_isa(void) {
-    static int isa = -1;
-    int v = __atomic_load_n(&isa, __ATOMIC_RELAXED);
-    if (v < 0) {
-        v = shmkv_attn_cpu_isa_probe();
-        __atomic_store_n(&isa, v, __ATOMIC_RELAXED);
-    }
-    return v;
-}
-
-/* SHMKV_ATTN_ISA=name forces a path from the first call that asks which (a _force_isa
- * after it wins). */
-static pthread_once_t shmkv_att_isa_once = PTHREAD_ONCE_INIT;
-static void shmkv_att_isa_env(void) {
-    const char *f = getenv("SHMKV_ATTN_ISA");
-    if (f && *f) {
-        int isa = !strcmp(f, "scalar") ? SHMKV_ISA_SCALAR : !strcmp(f, "avx2") ? SHMKV_ISA_AVX2
-                : !strcmp(f, "avx512") ? SHMKV_ISA_AVX512 : !strcmp(f, "amx") ? SHMKV_ISA_AMX : -1;
-        if (isa >= 0 && isa <= shmkv_attn_cpu_isa()) shmkv_att_isa_forced = isa;
-    }
-}
+int shmkv_attn_cpu_isa(void) { return shmkv_cpu_best(); }
 
 int shmkv_attn_isa(void) {
-    pthread_once(&shmkv_att_isa_once, shmkv_att_isa_env);
-    return shmkv_att_isa_forced >= 0 ? shmkv_att_isa_forced : shmkv_attn_cpu_isa();
+    const int f = __atomic_load_n(&shmkv_att_isa_forced, __ATOMIC_RELAXED);
+    return f >= 0 ? f : shmkv_cpu_isa();
 }
 
 int shmkv_attn_force_isa(int isa) {
-    pthread_once(&shmkv_att_isa_once, shmkv_att_isa_env);
-    if (isa < 0) { shmkv_att_isa_forced = -1; return 0; }
-    if (isa > shmkv_attn_cpu_isa()) return -1;
-    shmkv_att_isa_forced = isa;
+    if (isa > shmkv_cpu_best()) return -1;
+    __atomic_store_n(&shmkv_att_isa_forced, isa < 0 ? -1 : isa, __ATOMIC_RELAXED);
     return 0;
 }
 
 /* The widest vector path whose width divides d (the inner loops have no tails). */
 static shmkv_item_fn shmkv_att_pick(uint32_t d) {
     int isa = shmkv_attn_isa();
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     if (isa >= SHMKV_ISA_AVX512 && d % 16 == 0) return shmkv_att_item_avx512;
     if (isa >= SHMKV_ISA_AVX2 && d % 8 == 0) return shmkv_att_item_avx2;
 #else
@@ -384,7 +335,7 @@ static shmkv_gemm_fn shmkv_att_pick_gemm(uint32_t d, shmkv_gemm_scratch_fn *scra
     int isa = shmkv_attn_isa();
     *scratch = NULL;
     if (shmkv_att_gemm_off) return NULL;
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     if (isa >= SHMKV_ISA_AVX512 && d % 16 == 0) {
         *scratch = shmkv_gemm_scratch_avx512;
         return shmkv_att_item_gemm_avx512;
@@ -416,8 +367,8 @@ int shmkv_attn_force_dots(int on) {
 }
 
 int shmkv_attn_dot_isa(void) {
-#if SHMKV_HAVE_X86
-    if (!shmkv_att_dots_off && shmkv_attn_isa() >= SHMKV_ISA_AVX512) return shmkv_dot_cpu();
+#if SHMKV_X86
+    if (!shmkv_att_dots_off && shmkv_attn_isa() >= SHMKV_ISA_AVX512) return shmkv_cpu_dots();
 #endif
     return 0;
 }
@@ -427,7 +378,7 @@ int shmkv_attn_dot_isa(void) {
  * most 256: the integer sums stay exact in float32). */
 static shmkv_dot_fn shmkv_att_pick_dot(const shmkv_attn_args_t *a) {
     if (a->precision != SHMKV_PREC_BF16) return NULL;
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     const int dots = shmkv_attn_dot_isa();
     if (a->kv_dtype == SHMKV_ATT_BF16 && (dots & SHMKV_DOT_BF16) && a->d % 32 == 0)
         return shmkv_att_item_dpbf16;
@@ -465,14 +416,14 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     const shmkv_item_t *it = &j->items[i];
     const uint32_t G = a->hq / a->hkv, nqv = it->nrows * a->hq, d = a->d;
     /* prefill rows go to the tiles where the CPU has them */
-    const int amx = SHMKV_HAVE_X86 && it->nrows > 1 && shmkv_att_tiles(a, shmkv_att_isa_now);
+    const int amx = SHMKV_X86 && it->nrows > 1 && shmkv_att_tiles(a, shmkv_att_isa_now);
     /* other prefill rows, enough query vectors to fill the lanes: the GEMM-shaped item */
     const int gemm = !amx && shmkv_att_gemm != NULL && it->nrows > 1 && it->nrows * G >= GEMM_MIN_QV;
     /* the opt-in mode's row item on dot instructions, where there is one */
     const int dot = !amx && !gemm && shmkv_att_dot != NULL;
     /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] (then the tiles' own) */
     const size_t base = ((size_t)nqv * (2 * d + 2) + 64 + 15) / 16 * 16;
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     const size_t extra = amx ? shmkv_amx_scratch(it->nrows * G, d, a->hkv)
                        : gemm ? shmkv_att_gemm_scratch(it->nrows * G, d)
                        : dot ? shmkv_dot_scratch(nqv, d) : 0;
@@ -483,7 +434,7 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     if (s == NULL) { j->err = SHMKV_ATT_ENOMEM; return; }
     float *qf = s, *acc = s + (size_t)nqv * d, *m = acc + (size_t)nqv * d, *l = m + nqv;
     shmkv_att_load_q(a, it, qf, amx ? 1.0f : a->scale);
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     const int rc = amx ? shmkv_att_item_amx(a, it, qf, acc, nqv, s + base)
                  : gemm ? shmkv_att_gemm(a, it, qf, acc, nqv, s + base)
                  : dot ? shmkv_att_dot(a, it, qf, acc, nqv, s + base)
@@ -547,7 +498,7 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     shmkv_att_gemm = shmkv_att_pick_gemm(a->d, &shmkv_att_gemm_scratch);
     shmkv_att_isa_now = shmkv_attn_isa();
     shmkv_att_dot = shmkv_att_pick_dot(a);
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     /* the opt-in mode's prefill rows on vdpbf16ps where the FMA GEMM item would run */
     if (shmkv_att_gemm != NULL && shmkv_att_dot == shmkv_att_item_dpbf16) {
         shmkv_att_gemm = shmkv_att_item_gemm_dpbf16;

@@ -79,27 +79,17 @@ static inline float shmkv_q_src(const void *x, int f16, uint64_t i) {
     return ((const float *)x)[i];
 }
 
-/* Which quantizer: 0 portable C, 1 AVX2+F16C, 2 AVX-512 F/BW/VL (+F16C), the best the CPU
- * runs, chosen once per module (each Cython module that includes this has its own switch;
- * the test hook shmkv._quant._force_quant_isa sets the one the quantizers read).  The three
- * give the same codes and scales, bit for bit, for every head_dim (the vector paths do a
- * partial last vector: masked on AVX-512, through a zero-padded copy on AVX2). */
+/* Which quantizer: 0 portable C, 1 AVX2+F16C, 2 AVX-512 F/BW/VL (+F16C): the level of
+ * cpu.h (SHMKV_ISA caps it; amx counts as avx512), read once per module (each Cython module
+ * that includes this has its own switch; the test hook shmkv._quant._force_quant_isa sets
+ * the one the quantizers read).  The three give the same codes and scales, bit for bit,
+ * for every head_dim (the vector paths do a partial last vector: masked on AVX-512,
+ * through a zero-padded copy on AVX2). */
 static int shmkv_q_isa = -1;
-static inline int shmkv_quant_cpu_isa(void) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && shmkv_cpu_has_f16c()) {
-        /* (the avx512* checks include the OS's zmm/opmask state, XGETBV) */
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl"))
-            return 2;
-        return 1;
-    }
-#endif
-    return 0;
-}
+static inline int shmkv_quant_level(int isa) { return isa > SHMKV_ISA_AVX512 ? SHMKV_ISA_AVX512 : isa; }
+static inline int shmkv_quant_cpu_isa(void) { return shmkv_quant_level(shmkv_cpu_best()); }
 static inline int shmkv_quant_isa(void) {
-    if (shmkv_q_isa < 0) shmkv_q_isa = shmkv_quant_cpu_isa();
+    if (shmkv_q_isa < 0) shmkv_q_isa = shmkv_quant_level(shmkv_cpu_isa());
     return shmkv_q_isa;
 }
 
