@@ -4,6 +4,8 @@ forks, other processes writing, a forked child, and every bad input of the contr
 import math
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -509,3 +511,20 @@ def test_corrupt_sequence_length_is_segment_error(make_cache, bad):
         length[0] = good
     assert cache.check() == []
 
+
+
+@pytest.mark.parametrize("var", ["SHMKV_ISA", "SHMKV_ATTN_ISA"])
+def test_one_override_caps_every_kernel(var):
+    """kernels/cpu.h reads one override, SHMKV_ISA (SHMKV_ATTN_ISA, its older name, still
+    works): it caps the attention kernel, the quantizers and the vLLM copy alike; a _force
+    hook's None returns to that cap, and the CPU's best is still reported."""
+    code = ("from shmkv import _attention, _quant, _vcopy\n"
+            "_attention._force_isa('scalar'); _attention._force_isa(None)\n"
+            "print(_attention.isa(), _quant._force_quant_isa(None), _vcopy.transpose_isa(),"
+            " _attention.cpu_isa() == %r)" % _attention.cpu_isa())
+    env = {k: v for k, v in os.environ.items() if k not in ("SHMKV_ISA", "SHMKV_ATTN_ISA")}
+    env[var] = "scalar"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["scalar", "scalar", "portable", "True"]
