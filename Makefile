@@ -12,7 +12,7 @@ VCONSTRAINTS := constraints/vllm.txt
 PIPI   := $(PIP) install -q -c $(CONSTRAINTS)
 DEPS   := $(VENV)/.deps
 BUILT  := $(VENV)/.built
-SRC    := $(wildcard src/shmkv/*.py src/shmkv/*.pyx src/shmkv/*.pxd src/shmkv/*.pyi src/shmkv/py.typed src/shmkv/*.h src/shmkv/*/*.py src/shmkv/*/*/*.py src/shmkv/kernels/*.h src/shmkv/kernels/*.c) setup.py pyproject.toml
+SRC    := $(wildcard src/shmkv/*.py src/shmkv/*.pyx src/shmkv/*.pxd src/shmkv/*.pyi src/shmkv/py.typed src/shmkv/*.h src/shmkv/*/*.py src/shmkv/*/*/*.py src/shmkv/kernels/*.h src/shmkv/kernels/*.inc src/shmkv/kernels/*.c src/shmkv/kernels/*.txt) setup.py pyproject.toml
 PYTEST_ARGS ?=
 
 .PHONY: all help install model demo test micro test-vllm test-vllm-deps demo-vllm bench-vllm bench-attn-vllm bench bench-deps bench-quick lint debug chaos fuzz clean \
@@ -241,7 +241,7 @@ fuzz: install  ## hostile segments fed to attach (tools/fuzz_attach.py)
 # ruff; the C kernels' layering (src/shmkv/kernels/layers.txt: no file uses what a file above
 # it defines); Cython with warnings as errors; mypy --strict on a user's script over the
 # whole API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
-STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events shmkv._vcopy
+STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events shmkv._vcopy shmkv._checksum shmkv._bench
 
 $(VENV)/.lint: $(DEPS)
 	$(PIPI) ruff "mypy>=1.18"

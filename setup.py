@@ -8,7 +8,9 @@ it across modules (declared in its ``.pxd``).  Each of them compiles the static 
 of ``kernels/*.h`` (through ``_core.pxd``) and binds their debug switches to ``_core``'s
 at import.  ``shmkv._attention`` is the paged-attention kernel (``kernels/attention.c``)
 with its wrapper.  ``SHMKV_DEBUG=1`` builds the debug variant: C asserts and the
-``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.
+``SHMKV_DEBUG`` blocks on, Cython bounds checks on, no optimisation.  ``shmkv._bench``
+holds the benchmark and test hooks (kernels/bench.h, kernels/bench_floor.h) so that the
+shipped modules do not; ``shmkv._checksum`` the tier's value checksum (kernels/checksum.h).
 
 The generated C (``src/shmkv/_*.c``) is of one variant at a time, named in ``.cython-variant``:
 a build of the other variant regenerates it (cythonize compares only timestamps, and a
@@ -45,7 +47,7 @@ directives = {
     "freethreading_compatible": False,
 }
 
-cflags = ["-std=gnu11", "-Wall", "-Wno-unused-function", "-Wno-unreachable-code"]
+cflags = ["-std=gnu11", "-Wall", "-Wno-unreachable-code"]
 if DEBUG:
     cflags += ["-O0", "-g", "-DSHMKV_DEBUG=1", "-UNDEBUG"]
 else:
@@ -71,7 +73,8 @@ CHAIN = [("_sizes", []),    # the C layout's binding, below config and _core
          ("_quant", ["_inspect", "_prefix", "_sequences", "_quant"]),
          ("_kvdata", ["_inspect", "_prefix", "_sequences", "_quant"]),
          ("_events", []),       # the KV event ring's reader (not a link of the chain)
-         ("_vcopy", [])]        # the vLLM connector's block copy (no segment access)
+         ("_vcopy", []),        # the vLLM connector's block copy (no segment access)
+         ("_checksum", [])]     # the tier's value checksum (kernels/checksum.h)
 
 
 def _module(name, pxds):
@@ -96,8 +99,14 @@ attention = Extension(
     extra_compile_args=cflags,
     extra_link_args=ldflags,
     libraries=["m", "pthread"],
-    depends=sorted(glob.glob("src/shmkv/kernels/attention*.h")) + PXD,
+    depends=sorted(glob.glob("src/shmkv/kernels/attention*")) + ["src/shmkv/kernels/cpu.h",
+             "src/shmkv/_attention.pxd"] + PXD,
 )
+
+# the benchmark and test hooks (numpy's _multiarray_tests pattern): kernels/bench.h over the
+# pool's kernels, kernels/bench_floor.h on the attention kernel's pool (its runner is
+# cimported from _attention); the shipped modules carry none of them
+bench = _module("_bench", ["_attention"])
 
 VARIANT, STAMP = ("debug" if DEBUG else "release"), ".cython-variant"
 try:
@@ -109,7 +118,7 @@ force = not same or os.environ.get("SHMKV_CYTHON_FORCE", "") not in ("", "0")
 # every core: Cython's C generation and the C compilation each run one module per core
 # (SHMKV_BUILD_JOBS overrides; a 2-core CI machine builds in about half the time)
 JOBS = int(os.environ.get("SHMKV_BUILD_JOBS", "0")) or os.cpu_count() or 1
-modules = cythonize([_module(n, p) for n, p in CHAIN] + [attention], compiler_directives=directives,
+modules = cythonize([_module(n, p) for n, p in CHAIN] + [attention, bench], compiler_directives=directives,
                     gdb_debug=False, annotate=False, force=force, nthreads=JOBS)
 with open(STAMP, "w") as f:
     f.write(VARIANT + "\n")

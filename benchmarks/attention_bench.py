@@ -7,7 +7,7 @@ One layer of Llama-3-8B (32 q heads over 8 kv heads, head_dim 128, block 16). Ev
 timed in the same run as its baselines:
 
 - **floor**: every byte of the K and V pools the case reads, read once by a C loop on every
-  thread of the kernel's pool (``shmkv._attention.bench_read`` on the segment's own pages);
+  thread of the kernel's pool (``shmkv._bench.bench_read`` on the segment's own pages);
 - **gather + SDPA**: ``gather()`` of each sequence into a contiguous copy, then
   ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`` on the K/V as
   stored (fp16/bf16) and converted to fp32 (the conversion counted); torch on every core;
@@ -38,7 +38,7 @@ import uuid
 import numpy as np
 
 import shmkv
-from shmkv import _attention
+from shmkv import _attention, _bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -114,7 +114,7 @@ class Case:
 
     def floor(self, reps):
         k, v = self.cache.key_cache(0), self.cache.value_cache(0)
-        return med(lambda: (_attention.bench_read(k), _attention.bench_read(v)), reps)
+        return med(lambda: (_bench.bench_read(k), _bench.bench_read(v)), reps)
 
 
 def torch_gather_sdpa(case, q, to_fp32, q_lens=None):
@@ -163,7 +163,7 @@ def decode_case(dtype, batch, length, reps, torch_reps, threads, evict):
         k, v = case.cache.key_cache(0), case.cache.value_cache(0)
         res.update(interleaved({
             "shmkv": lambda: case.cache.attention(0, q, case.sids, out=out),
-            "floor": lambda: (_attention.bench_read(k), _attention.bench_read(v))},
+            "floor": lambda: (_bench.bench_read(k), _bench.bench_read(v))},
             reps, before=evict))
         _attention.set_num_threads(1)
         res["shmkv_1t"] = med(lambda: case.cache.attention(0, q, case.sids, out=out),
@@ -205,7 +205,7 @@ def decode_isa_case(dtype, batch, length, isas, reps, threads, base=None, evict=
         for m in mods:
             m.set_num_threads(threads)
         k, v = case.cache.key_cache(0), case.cache.value_cache(0)
-        fns = {"floor": lambda: (_attention.bench_read(k), _attention.bench_read(v))}
+        fns = {"floor": lambda: (_bench.bench_read(k), _bench.bench_read(v))}
         for name in isas:
             spec, _, which = name.partition("@")
             isa, _, prec = spec.partition(":")          # "avx512:bf16", "avx512:bf16-fma"
@@ -316,7 +316,7 @@ def best_torch(r):
 
 def fma_ms(r, rate):
     """Lower bound from the FMAs alone: QK and PV, one fp32 multiply-add per (q head, key,
-    dim) each, at the machine's measured FMA rate (``_attention.bench_fma``: lane-FMAs per
+    dim) each, at the machine's measured FMA rate (``_bench.bench_fma``: lane-FMAs per
     second of every thread, 16 independent chains from registers, the kernel's vector
     width)."""
     rows = r.get("rows", 1)
@@ -381,7 +381,7 @@ def machine(threads):
         pass
     import torch
     _attention.set_num_threads(threads)
-    rate = sorted(_attention.bench_fma() for _ in range(3))[1]
+    rate = sorted(_bench.bench_fma() for _ in range(3))[1]
     return {"cpu": platform.processor() or platform.machine(), "ghz": ghz or 2.5,
             "fma_rate": rate,
             "threads": threads, "isa": _attention.isa(), "cpu_isa": _attention.cpu_isa(),
@@ -402,7 +402,7 @@ def render(meta, results, curve, png_name):
         f"(torch's too) is cold: {meta.get('evict_bytes', 0) >> 20} MiB read just before it, "
         "as in a decode step, whose 32 layers' K/V never fit in cache. *FMA bound*: the QK and PV FMAs alone at the FMA rate measured on every "
         f"thread ({meta['fma_rate'] / 1e9:.0f} G float32 lane-FMAs/s: 16 independent FMA "
-        "chains per thread from registers, `_attention.bench_fma`). gather+SDPA: `gather()` into page-aligned buffers, then torch's "
+        "chains per thread from registers, `_bench.bench_fma`). gather+SDPA: `gather()` into page-aligned buffers, then torch's "
         "`scaled_dot_product_attention(enable_gqa=True)` on the K/V as stored and converted "
         "to fp32 (conversion counted). Targets: decode ≤ 2× the floor, ≥ 3× faster than the "
         "best torch variant.",

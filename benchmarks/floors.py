@@ -1,6 +1,6 @@
 """The physical floor of moving the same bytes, measured in the same run.
 
-``shmkv._core.bench_memcpy(nbytes, iters, span)`` loops memcpy in C over buffers it
+``shmkv._bench.bench_memcpy(nbytes, iters, span)`` loops memcpy in C over buffers it
 allocates per call, with source and destination walking ``span`` bytes.  Its destination
 buffer is never touched before the timed loop (the compiler drops the memset of a buffer
 that is only written and then freed), so the first pass over the span pays one page fault
@@ -30,7 +30,7 @@ import time
 import numpy as np
 from timing import STEAL, from_samples, measure, record
 
-from shmkv import _attention, _core
+from shmkv import _bench
 
 COLD_SPAN = 256 << 20
 FLOOR_AFTER = "memcpy matched, after shmkv"
@@ -67,7 +67,7 @@ class Evictor:
         self.nbytes = n
 
     def __call__(self) -> None:
-        _attention.bench_read(self.buf)
+        _bench.bench_read(self.buf)
 
 
 STREAM_MIN = 8 << 20          # shmkv streams copies of >= 8 MiB per K or V array
@@ -92,7 +92,7 @@ def memcpy_steady(nbytes: int, span: int, reps: int, min_sample_ns: float,
         # retaken when other tasks held this thread's CPU for more than STEAL of the call
         for _ in range(5):
             c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-            ns = _core.bench_memcpy(nbytes, per * passes, span,
+            ns = _bench.bench_memcpy(nbytes, per * passes, span,
                                     streaming=streaming) * per * passes
             w, c = time.perf_counter_ns() - w0, time.thread_time_ns() - c0
             if w - c <= STEAL * w:
@@ -187,7 +187,7 @@ def matched_again(cfg_name, wl, ops, budget, progress) -> list:
 
 
 def layout_rows(cfg_name, cache, wl, budget, progress, calls: int) -> list:
-    """The layout-matched floor of ``append1``: ``_core.bench_append_rows`` writes wl.k1 /
+    """The layout-matched floor of ``append1``: ``_bench.bench_append_rows`` writes wl.k1 /
     wl.v1 (one token, every layer) into the K and V pools at the slots of `calls` tokens
     reserved from a sequence of `cache` (the blocks a sample of append1 fills), cycling."""
     progress.step(f"{cfg_name}/floor/append1: {LAYOUT_ROWS}")
@@ -196,7 +196,7 @@ def layout_rows(cfg_name, cache, wl, budget, progress, calls: int) -> list:
         slots = cache.reserve(sid, calls)
 
         def run(_s, n):
-            _core.bench_append_rows(cache, wl.k1, wl.v1, slots, n)
+            _bench.bench_append_rows(cache, wl.k1, wl.v1, slots, n)
         stats = measure(run, calls=calls, repeat=budget.repeat, min_repeat=budget.min_repeat,
                         max_seconds=budget.max_seconds, target_sample_ns=budget.sample_ns)
     finally:

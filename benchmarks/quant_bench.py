@@ -10,7 +10,7 @@ query row per sequence.  The three pools hold the same K/V (random normals; spee
 depend on the values).  Calls of the three dtypes are interleaved round by round (A B C A B
 C ...) so that load from the other users of the machine falls on all of them alike; the
 table gives medians and the ratio to float16, and each pool's read floor (every byte of
-its K and V pools, and an int8 pool's scales, read once by ``_attention.bench_read`` on
+its K and V pools, and an int8 pool's scales, read once by ``_bench.bench_read`` on
 the kernel's threads), timed in the same rounds.  ``os.getloadavg()`` is printed before and
 after.  Tokens per GiB: a whole Llama-3-8B (32 layers) at each dtype, from
 ``CacheConfig.bytes_per_token`` (the int8 pool's per-token scales included).
@@ -34,7 +34,7 @@ import uuid
 import numpy as np
 
 import shmkv
-from shmkv import _attention, _quant
+from shmkv import _attention, _bench, _quant
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -82,9 +82,9 @@ def bench_case(batch, length, rounds, threads):
                 c.attention(0, q, s, out=out)
                 samples[dt].append(time.perf_counter_ns() - t0)
                 # the read floor: every byte of the pools (and int8 scales) read once
-                f = _attention.bench_read(c.key_cache(0)) + _attention.bench_read(c.value_cache(0))
+                f = _bench.bench_read(c.key_cache(0)) + _bench.bench_read(c.value_cache(0))
                 if dt == "int8":
-                    f += _attention.bench_read(c.key_scales(0)) + _attention.bench_read(
+                    f += _bench.bench_read(c.key_scales(0)) + _bench.bench_read(
                         c.value_scales(0))
                 floor[dt].append(f * 1e9)
         kv_bytes = {dt: 2 * batch * length * HKV * D * (2 if dt == "float16" else 1)

@@ -34,7 +34,7 @@ import suite
 from timing import STEAL, fmt_ns, loop_overhead_ns, measure, measure_interleaved, record
 
 import shmkv
-from shmkv import _core
+from shmkv import _bench, _core
 
 _SRC = os.path.join(os.path.dirname(HERE), "src", "shmkv")
 
@@ -220,7 +220,7 @@ def bench_shmkv(cfg_name, cfg, ops, wl, budget, progress):
             while len(samples) < budget.min_repeat or (
                     time.monotonic() < t_end and len(samples) < budget.repeat):
                 c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-                ns = _core.bench_alloc_free(cache, 200_000, shared=shared)
+                ns = _bench.bench_alloc_free(cache, 200_000, shared=shared)
                 w, c = time.perf_counter_ns() - w0, time.thread_time_ns() - c0
                 if w - c > STEAL * w and dropped < 2 * budget.repeat:
                     dropped += 1                    # preempted by other tasks: taken again
@@ -524,7 +524,7 @@ def bench_threads(cache, cfg_name, cfg, budget, progress):
              "np.copyto of the same bytes per thread: the machine's copy bandwidth"))
 
         def ceiling(n):
-            return scaling.run_threads(lambda i: lambda: _core.bench_memcpy(4096, 20000, 4096),
+            return scaling.run_threads(lambda i: lambda: _bench.bench_memcpy(4096, 20000, 4096),
                                        n, cdur)
 
         def run_all(n):

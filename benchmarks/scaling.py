@@ -18,7 +18,7 @@ from timing import from_samples, record
 # ---- the worker (runs in a spawned process) -------------------------------------------
 def proc_worker(name, op, duration_s, barrier, conn):
     import shmkv
-    from shmkv import _core
+    from shmkv import _bench
 
     cache = shmkv.KVCache.attach(name)
     try:
@@ -50,10 +50,10 @@ def proc_worker(name, op, duration_s, barrier, conn):
                 fr(s)
                 ops += 64
             elif op == "alloc_free_kernel":
-                _core.bench_alloc_free(cache, 200_000)
+                _bench.bench_alloc_free(cache, 200_000)
                 ops += 200_000
             elif op == "alloc_free_kernel_shared":     # the shared pool, no process cache
-                _core.bench_alloc_free(cache, 200_000, shared=True)
+                _bench.bench_alloc_free(cache, 200_000, shared=True)
                 ops += 200_000
             elif op == "cpu_ceiling":               # no shared state: the machine's scaling
                 x = 0

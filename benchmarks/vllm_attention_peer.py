@@ -31,7 +31,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import shmkv  # noqa: E402
-from shmkv import _attention  # noqa: E402
+from shmkv import (
+    _attention,  # noqa: E402
+    _bench,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from floors import Evictor  # noqa: E402
@@ -201,8 +204,8 @@ def run_case(dtype, label, batch, length, rows, rounds, per, evict):
         kb, vb = p.cache.key_cache(0), p.cache.value_cache(0)
         med = interleaved({"shmkv": p.shmkv, "shmkv_bf16": p.shmkv_bf16, "vllm": p.vllm,
                            "sdpa": p.sdpa_fn(),
-                           "floor": lambda: (_attention.bench_read(kb),
-                                             _attention.bench_read(vb))}, rounds, per, evict)
+                           "floor": lambda: (_bench.bench_read(kb),
+                                             _bench.bench_read(vb))}, rounds, per, evict)
         return {"case": label, "dtype": dtype, "vllm_isa": p.isa, "err": errs, **med}
     finally:
         p.close()

@@ -10,6 +10,7 @@ from support import SMALL
 from workers.mp_workers import assert_consistent, assert_same, read_via_views, tokens
 
 import shmkv
+from shmkv.inspect import snapshot
 
 DTYPES = ["float16", "float32", "int8"]
 
@@ -361,7 +362,7 @@ def test_attach_garbage_segment_is_segment_error(seg_name, size):
     with pytest.raises(shmkv.SegmentError):
         shmkv.KVCache.open(seg_name, shmkv.CacheConfig(**SMALL), timeout=0.5)
     with pytest.raises(shmkv.SegmentError):
-        shmkv._core.snapshot(seg_name)
+        snapshot(seg_name)
     # left alone: attach never "repairs" a foreign segment
     shm = posix_ipc.SharedMemory("/" + seg_name)
     try:
@@ -406,7 +407,7 @@ def test_attach_grown_segment_is_segment_error(seg_name):
 ])
 def test_attach_patched_header_is_segment_error(seg_name, offset, data, what):
     _make_real(seg_name)
-    snap = shmkv._core.snapshot(seg_name)
+    snap = snapshot(seg_name)
     assert snap["layout_version"] == shmkv._core.LAYOUT_VERSION
     _patch(seg_name, offset, data)
     with pytest.raises(shmkv.SegmentError):

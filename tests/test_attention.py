@@ -4,6 +4,8 @@ forks, other processes writing, a forked child, and every bad input of the contr
 import math
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ from workers.attn_workers import writer as _writer
 from workers.recovery_workers import segment_bytes
 
 import shmkv
-from shmkv import _attention, _core
+from shmkv import _attention, _bench
+from shmkv.inspect import struct_layout
 
 DTYPES = ["float32", "float16", "bfloat16"]
 QDTYPES = ["int8", "float8_e4m3"]     # quantized pools: the reference reads gather()'s
@@ -345,24 +348,24 @@ def test_thread_and_isa_knobs(threads):
 
 def test_read_floor_helper():
     buf = np.ones(1 << 20, np.uint8)
-    assert _attention.bench_read(buf) > 0
-    assert _attention.bench_read(buf, threads=1) > 0
+    assert _bench.bench_read(buf) > 0
+    assert _bench.bench_read(buf, threads=1) > 0
 
 
 def test_fma_rate_helper(isa):
     """The benchmark's dot-product bound: lane-FMAs per second in the path's width.  A
     vector path runs several lanes per FMA: far above the scalar rate of the same CPU."""
-    rate = _attention.bench_fma(threads=1, rounds=200_000)
+    rate = _bench.bench_fma(threads=1, rounds=200_000)
     assert rate > 0
     if isa != "scalar":
         _attention._force_isa("scalar")
         try:
-            assert rate > 3 * _attention.bench_fma(threads=1, rounds=50_000)
+            assert rate > 3 * _bench.bench_fma(threads=1, rounds=50_000)
         finally:
             _attention._force_isa(isa)
     for bad in ({"threads": -1}, {"threads": 5000}, {"rounds": 0}):
         with pytest.raises(ValueError, match="expected"):
-            _attention.bench_fma(**bad)
+            _bench.bench_fma(**bad)
 
 
 # ---- bad input: the contract's errors, and the segment unchanged ----------------------------
@@ -459,7 +462,7 @@ def test_attention_after_close_is_an_error(make_cache):
 # ---- a hostile segment ----------------------------------------------------------------------
 def _seq_field(cache, sid, field):
     lay = cache._debug_info()["layout"]
-    seq = _core.struct_layout()["seq"]
+    seq = struct_layout()["seq"]
     off, code = seq["fields"][field]
     slot = sid % cache.config.max_seqs
     return np.ndarray((1,), np.dtype(code), buffer=segment_bytes(cache),
@@ -508,3 +511,20 @@ def test_corrupt_sequence_length_is_segment_error(make_cache, bad):
         length[0] = good
     assert cache.check() == []
 
+
+
+@pytest.mark.parametrize("var", ["SHMKV_ISA", "SHMKV_ATTN_ISA"])
+def test_one_override_caps_every_kernel(var):
+    """kernels/cpu.h reads one override, SHMKV_ISA (SHMKV_ATTN_ISA, its older name, still
+    works): it caps the attention kernel, the quantizers and the vLLM copy alike; a _force
+    hook's None returns to that cap, and the CPU's best is still reported."""
+    code = ("from shmkv import _attention, _quant, _vcopy\n"
+            "_attention._force_isa('scalar'); _attention._force_isa(None)\n"
+            "print(_attention.isa(), _quant._force_quant_isa(None), _vcopy.transpose_isa(),"
+            " _attention.cpu_isa() == %r)" % _attention.cpu_isa())
+    env = {k: v for k, v in os.environ.items() if k not in ("SHMKV_ISA", "SHMKV_ATTN_ISA")}
+    env[var] = "scalar"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["scalar", "scalar", "portable", "True"]

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from shmkv import _core
+from shmkv import _bench
 
 
 def test_append_rows_floor_writes_the_rows_append_would(make_cache):
@@ -14,7 +14,7 @@ def test_append_rows_floor_writes_the_rows_append_would(make_cache):
     rng = np.random.default_rng(0)
     k = rng.standard_normal((3, 1, 2, 8)).astype(np.float16)
     v = rng.standard_normal((3, 1, 2, 8)).astype(np.float16)
-    assert _core.bench_append_rows(cache, k, v, slots[4:5], 3) > 0
+    assert _bench.bench_append_rows(cache, k, v, slots[4:5], 3) > 0
     kk, vv = cache.gather(sid, 4, 5)
     np.testing.assert_array_equal(kk, k)
     np.testing.assert_array_equal(vv, v)
@@ -23,10 +23,10 @@ def test_append_rows_floor_writes_the_rows_append_would(make_cache):
     n = cfg.num_blocks * cfg.block_size
     for bad in ([], [-1], [n]):
         with pytest.raises(ValueError, match="slots"):
-            _core.bench_append_rows(cache, k, v, np.array(bad, np.int64), 1)
+            _bench.bench_append_rows(cache, k, v, np.array(bad, np.int64), 1)
     with pytest.raises(ValueError, match="shape"):
-        _core.bench_append_rows(cache, k[:2], v[:2], slots, 1)
+        _bench.bench_append_rows(cache, k[:2], v[:2], slots, 1)
     with pytest.raises(TypeError, match="dtype"):
-        _core.bench_append_rows(cache, k.astype(np.float32), v, slots, 1)
+        _bench.bench_append_rows(cache, k.astype(np.float32), v, slots, 1)
     cache.free(sid)
     assert cache.check() == []

@@ -16,7 +16,7 @@ from support.stopped_helpers import SEGMENT_HOLDER, end, start_stopped
 from workers.recovery_workers import tokens
 
 import shmkv
-import shmkv._core as _core
+from shmkv.inspect import snapshot
 
 
 def _stopped_holder(procs, name, point, sid=0, warm=False):
@@ -64,12 +64,12 @@ def test_a_stopped_pool_lock_holder_makes_others_time_out(cache, holders):
     sid = _detached_sequence(cache)
     holder = _stopped_holder(holders, cache.name, "alloc_mid", sid)   # inside the pool lock
     cache.lock_timeout = 0.2
-    waits = _core.snapshot(cache.name)["counters"]["lock_waits"]    # takes no lock
+    waits = snapshot(cache.name)["counters"]["lock_waits"]    # takes no lock
     full_recover = functools.partial(cache.recover, full=True)
     for op in (cache.check, cache.stats, full_recover):     # each takes the pool lock
         e = _raises(op)
         assert isinstance(e, shmkv.LockTimeout), (op, e)
-    assert _core.snapshot(cache.name)["counters"]["lock_waits"] >= waits + 3
+    assert snapshot(cache.name)["counters"]["lock_waits"] >= waits + 3
     # the scheduled pass (the connector's once a second) reads only the process table
     # when nobody died: a stopped holder is alive, so it returns at once, no lock taken
     assert _raises(cache.recover) is None

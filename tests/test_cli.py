@@ -27,6 +27,8 @@ from workers import cli_workers
 import shmkv
 import shmkv._core as core
 from shmkv import cli
+from shmkv import inspect as shmkv_inspect
+from shmkv.inspect import snapshot
 
 SPAWN = mp.get_context("spawn")
 TINY = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
@@ -589,7 +591,7 @@ def test_create_from_preset_and_memory(shmkv_cli, names):
             cfg["block_size"]) == (32, 8, 128, "float16", 16)
     per_block = 2 * 32 * 8 * 128 * 2 * 16
     assert made["bytes_per_block"] == per_block and cfg["num_blocks"] == 64 * 2 ** 20 // per_block
-    snap = core.snapshot(name)
+    snap = snapshot(name)
     assert snap["config"] == shmkv.CacheConfig(**cfg)
     assert snap["processes"] == [] and snap["sequences"] == []     # the CLI let go of it
     assert os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
@@ -612,7 +614,7 @@ def test_create_from_preset_and_memory(shmkv_cli, names):
                   "--blocks", 10, "--block-size", 2, "--dtype", "float32", "--max-seqs", 5,
                   "--max-procs", 7, "--mode", "640")
     assert r.returncode == 0 and f"created {other}" in r.stdout
-    assert core.snapshot(other)["config"] == shmkv.CacheConfig(
+    assert snapshot(other)["config"] == shmkv.CacheConfig(
         num_layers=3, num_kv_heads=1, head_dim=4, num_blocks=10, block_size=2,
         dtype="float32", max_seqs=5, max_procs=7)
     assert os.stat(f"/dev/shm/{other}").st_mode & 0o777 == 0o640
@@ -677,7 +679,7 @@ def test_permission_denied_and_a_segment_that_vanishes(monkeypatch, capsys, name
     def denied(name, tables=True):
         raise PermissionError(f"segment {name!r}: permission denied")
 
-    monkeypatch.setattr(core, "snapshot", denied)
+    monkeypatch.setattr(shmkv_inspect, "snapshot", denied)
     assert cli.main(["info", "someone-elses"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "permission denied" in err[0]
@@ -687,7 +689,7 @@ def test_permission_denied_and_a_segment_that_vanishes(monkeypatch, capsys, name
     name = unique("vanish")
     names.append(name)
     shmkv.KVCache.create(name, shmkv.CacheConfig(**TINY, num_blocks=16, max_seqs=4)).close()
-    real, calls = core.snapshot, []
+    real, calls = snapshot, []
 
     def vanishing(n, tables=True):
         calls.append(n)
@@ -695,7 +697,7 @@ def test_permission_denied_and_a_segment_that_vanishes(monkeypatch, capsys, name
             unlink(name)
         return real(n, tables=tables)
 
-    monkeypatch.setattr(core, "snapshot", vanishing)
+    monkeypatch.setattr(shmkv_inspect, "snapshot", vanishing)
     assert cli.main(["top", name, "--iterations", "5", "--interval", "0.01"]) == 2
     cap = capsys.readouterr()
     assert cap.out.count(f"shmkv top {name}") == 1

@@ -12,6 +12,7 @@ import pytest
 
 import shmkv
 from shmkv import _core
+from shmkv.inspect import snapshot, struct_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FUZZ = os.path.join(ROOT, "tools", "fuzz_attach.py")
@@ -49,7 +50,7 @@ def test_fuzz_no_crash_no_hang(fuzz_report):
 def test_fuzz_no_exception_outside_the_contract(fuzz_report):
     """Any exception outside SegmentError / FileNotFoundError / ValueError from attach and
     snapshot, or outside ShmkvError from the calls after it, is a finding.
-    (Fails while shmkv._core.snapshot() raises OverflowError on an owner token whose
+    (Fails while snapshot() raises OverflowError on an owner token whose
     slot half is 0: see test_snapshot_survives_owner_token_with_slot_zero.)"""
     _, r = fuzz_report
     assert r["findings"] == 0, json.dumps(r["finding_samples"][:5], indent=1)
@@ -100,13 +101,13 @@ def test_snapshot_survives_owner_token_with_slot_zero(make_cache):
     sid = cache.create_sequence()
     a = np.ones((1, 2, 1, 4), cfg.numpy_dtype)
     cache.append(sid, a, a)
-    seq = _core.struct_layout()["seq"]
+    seq = struct_layout()["seq"]
     off = (_core.layout_of(cfg)["off_seqs"] + seq["size"] * (sid % cfg.max_seqs)
            + seq["fields"]["owner"][0])
     with open(os.path.join("/dev/shm", cache.name.lstrip("/")), "r+b") as f:
         f.seek(off)
         f.write(struct.pack("<Q", 1 << 32))
-    snap = _core.snapshot(cache.name)
+    snap = snapshot(cache.name)
     assert [s["sid"] for s in snap["sequences"]] == [sid]
 
 
@@ -122,7 +123,7 @@ def test_gather_rejects_a_corrupt_length_before_allocating(make_cache):
     sid = cache.create_sequence()
     a = np.ones((2, 2, 1, 4), cfg.numpy_dtype)
     cache.append(sid, a, a)
-    seq = _core.struct_layout()["seq"]
+    seq = struct_layout()["seq"]
     off = (_core.layout_of(cfg)["off_seqs"] + seq["size"] * (sid % cfg.max_seqs)
            + seq["fields"]["len"][0])
     with open(os.path.join("/dev/shm", cache.name.lstrip("/")), "r+b") as f:

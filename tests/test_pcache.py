@@ -13,16 +13,17 @@ from workers import pcache_workers
 from workers.recovery_workers import segment_bytes
 
 import shmkv
-import shmkv._core as _core
+from shmkv import _bench
+from shmkv.inspect import snapshot, struct_layout
 
-CAP_BLOCKS = _core.struct_layout()["proc"]["cache_blocks"]
-CAP_SEQS = _core.struct_layout()["proc"]["cache_seqs"]
+CAP_BLOCKS = struct_layout()["proc"]["cache_blocks"]
+CAP_SEQS = struct_layout()["proc"]["cache_seqs"]
 
 
 def _proc_cache(cache):
     """(cached block ids, cached sequence slots) of this process, from the snapshot."""
     me = cache._debug_info()["proc_slot"]
-    for p in _core.snapshot(cache.name)["processes"]:
+    for p in snapshot(cache.name)["processes"]:
         if p["slot"] == me:
             return p["cached_blocks"], p["cached_seq_slots"]
     raise AssertionError("this process is not in the process table")
@@ -31,7 +32,7 @@ def _proc_cache(cache):
 def _field(cache, name, count=1):
     """A writable view of a field of this process's slot (to play a hostile peer)."""
     info = cache._debug_info()
-    lay = _core.struct_layout()["proc"]
+    lay = struct_layout()["proc"]
     off, fmt = lay["fields"][name][:2]
     dt = {"I": np.uint32, "Q": np.uint64}[fmt]
     return np.ndarray((count,), dt, buffer=segment_bytes(cache),
@@ -105,7 +106,7 @@ def test_blocks_in_another_process_cache_are_not_full(make_cache, spawn):
     ready, go = spawn.ctx.Event(), spawn.ctx.Event()
     p = spawn(pcache_workers.fill_cache_and_wait, cache.name, 5, ready, go)
     assert ready.wait(30)
-    peer = [x for x in _core.snapshot(cache.name)["processes"] if x["pid"] == p.pid][0]
+    peer = [x for x in snapshot(cache.name)["processes"] if x["pid"] == p.pid][0]
     assert peer["cached_blocks"] > 0 and peer["cached_seq_slots"] > 0
     try:
         sids = [cache.create_sequence() for _ in range(8)]      # every slot
@@ -131,7 +132,7 @@ def test_a_dead_process_cache_is_reclaimed(cache, spawn):
     p = spawn(pcache_workers.fill_cache_and_die, cache.name, ready)
     p.join(30)
     assert p.exitcode == 0 and ready.is_set()
-    snap = _core.snapshot(cache.name)
+    snap = snapshot(cache.name)
     dead = [x for x in snap["processes"] if x["pid"] == p.pid][0]
     assert not dead["alive"] and dead["cached_blocks"] > 0
     assert snap["free_blocks"] == cache.config.num_blocks   # cached blocks count as free
@@ -245,7 +246,7 @@ def test_close_returns_the_cache_to_the_pool(seg_name):
         a.reserve(s, 4)
         a.free(s)
         assert _proc_cache(a)[0] > 0
-        snap_before = _core.snapshot(seg_name)
+        snap_before = snapshot(seg_name)
         assert snap_before["free_blocks"] == 32
     finally:
         a.close()
@@ -258,8 +259,8 @@ def test_close_returns_the_cache_to_the_pool(seg_name):
 
 
 def test_bench_hook_both_paths(cache):
-    assert _core.bench_alloc_free(cache, 10_000) > 0
-    assert _core.bench_alloc_free(cache, 10_000, shared=True) > 0
+    assert _bench.bench_alloc_free(cache, 10_000) > 0
+    assert _bench.bench_alloc_free(cache, 10_000, shared=True) > 0
     st = cache.stats()
     assert st["allocations"] == st["frees"] == 20_000
     assert st["used_blocks"] == 0 and cache.check() == []
@@ -291,7 +292,7 @@ def test_sequence_ops_wait_for_the_sequence_lock(cache, op):
     owner's fast path takes no pool lock): while a live holder keeps it they wait, for
     lock_timeout at most, and change nothing."""
     info = cache._debug_info()
-    seq = _core.struct_layout()["seq"]
+    seq = struct_layout()["seq"]
     sid = cache.create_sequence()
     cache.reserve(sid, 3)
     slot = sid % cache.config.max_seqs

@@ -13,7 +13,7 @@ import pytest
 from workers import prefix_workers as pw
 
 import shmkv
-from shmkv import _core
+from shmkv.inspect import snapshot
 
 HASHES = ["fast", "sha256"]
 BS = 4                       # block size of every cache here (SMALL's)
@@ -255,7 +255,7 @@ def test_hash_chain_depends_on_every_earlier_token(mk, hash):
         assert c.match_prefix(q) == want, pos
     assert c.match_prefix(p[4:]) == 0          # same blocks at other positions
     other = mk(hash=hash)
-    seeds = {_core.snapshot(x.name, tables=False)["hash_seed"] for x in (c, other)}
+    seeds = {snapshot(x.name, tables=False)["hash_seed"] for x in (c, other)}
     assert len(seeds) == 2
     assert other.match_prefix(p) == 0
     c.free(s)
@@ -540,7 +540,7 @@ def _policy_setup(c):
     make(0)
     use(3, 1)
     c.set_priority(seqs[1], 0)
-    snap = {d["sid"]: d for d in _core.snapshot(c.name, tables=False)["sequences"]}
+    snap = {d["sid"]: d for d in snapshot(c.name, tables=False)["sequences"]}
     stamps = [snap[seqs[i]]["last_access_ns"] for i in (1, 2, 0, 3)]
     assert stamps == sorted(stamps) and len(set(stamps)) == 4, "coarse clock too coarse"
     assert [snap[seqs[i]]["access_count"] for i in range(4)] == [1, 3, 3, 2]

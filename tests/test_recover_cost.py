@@ -17,7 +17,7 @@ import pytest
 from workers.recovery_workers import segment_bytes, tokens
 
 import shmkv
-import shmkv._core as _core
+from shmkv.inspect import snapshot, struct_layout
 
 ZERO = dict(sequences=0, blocks=0, processes=0, locks=0, tail_blocks=0, refcounts_fixed=0,
             corrupt_sequences=0, blocks_visited=0)
@@ -25,21 +25,21 @@ ZERO = dict(sequences=0, blocks=0, processes=0, locks=0, tail_blocks=0, refcount
 
 def _shared(cache, name):
     """A writable view of one field of the segment's shared state (to play a peer)."""
-    off, fmt = _core.struct_layout()["shared"]["fields"][name][:2]   # segment offsets
+    off, fmt = struct_layout()["shared"]["fields"][name][:2]   # segment offsets
     dt = {"I": np.uint32, "Q": np.uint64}[fmt]
     return np.ndarray((1,), dt, buffer=segment_bytes(cache), offset=off)
 
 
 def _seq_writer(cache, sid):
     lay = cache._debug_info()["layout"]
-    seq = _core.struct_layout()["seq"]
+    seq = struct_layout()["seq"]
     slot = sid % cache.config.max_seqs
     return np.ndarray((1,), np.uint64, buffer=segment_bytes(cache),
                       offset=lay["off_seqs"] + seq["size"] * slot + seq["fields"]["writer"][0])
 
 
 def _token(cache, pid):
-    p = [x for x in _core.snapshot(cache.name)["processes"] if x["pid"] == pid][0]
+    p = [x for x in snapshot(cache.name)["processes"] if x["pid"] == pid][0]
     return (p["gen"] << 32) | (p["slot"] + 1)
 
 
@@ -150,7 +150,7 @@ def test_idle_pass_does_not_take_the_pool_lock(cache, children):
     an idle recover() returns at once; the full pass waits and times out (so the lock
     really was held)."""
     base = np.frombuffer(segment_bytes(cache), np.uint8).ctypes.data
-    lock = ctypes.c_void_p(base + _core.struct_layout()["shared"]["fields"]["pool_lock"][0])
+    lock = ctypes.c_void_p(base + struct_layout()["shared"]["fields"]["pool_lock"][0])
     libc = ctypes.CDLL(None, use_errno=True)
 
     def hold(_cache):
@@ -297,7 +297,7 @@ def test_a_death_inside_a_fast_path_gets_the_full_pass(cache, children):
     and refcounts change without the pool lock) may have left them half-changed: the
     pass of what died hands over to the full pass, which rebuilds."""
     bs = cache.config.block_size
-    proc = _core.struct_layout()["proc"]
+    proc = struct_layout()["proc"]
     off_procs = cache._debug_info()["layout"]["off_procs"]
 
     def die_in_fast_path(c):
@@ -326,7 +326,7 @@ def test_only_the_full_pass_repairs_what_no_death_explains(cache):
     cache.reserve(s, cache.config.block_size)
     blk = int(cache.block_table(s)[0])
     lay = cache._debug_info()["layout"]
-    meta = _core.struct_layout()["block"]
+    meta = struct_layout()["block"]
     rc = np.ndarray((1,), np.uint32, buffer=segment_bytes(cache),
                     offset=lay["off_blocks"] + meta["size"] * blk + meta["fields"]["ref_cnt"][0])
     rc[0] = 7

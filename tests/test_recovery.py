@@ -10,6 +10,7 @@ from workers.recovery_workers import segment_bytes, tokens
 
 import shmkv
 import shmkv._core as _core
+from shmkv.inspect import snapshot, struct_layout
 
 ctx = mp.get_context("spawn")
 
@@ -58,7 +59,7 @@ def test_death_holding_the_pool_lock(cache, procs, point):
     procs.append(p)
     p.join(timeout=30)
     assert p.exitcode == 86, "the crash point did not fire"
-    before = _core.snapshot(cache.name)["counters"]["lock_owner_dead"]   # takes no lock
+    before = snapshot(cache.name)["counters"]["lock_owner_dead"]   # takes no lock
     assert cache.check() == []                 # took the lock: EOWNERDEAD -> rebuilt
     st = cache.stats()
     assert st["lock_owner_dead"] == before + 1
@@ -183,7 +184,7 @@ def test_lock_timeout_when_a_live_holder_keeps_a_sequence(cache):
     # hold the sequence lock as this process would, from outside the API
     info = cache._debug_info()
     lay = info["layout"]
-    seq = _core.struct_layout()["seq"]
+    seq = struct_layout()["seq"]
     writer = np.ndarray((1,), np.uint64, buffer=segment_bytes(cache),
                         offset=lay["off_seqs"] + seq["size"] * slot + seq["fields"]["writer"][0])
     writer[0] = info["proc_token"]                       # the sequence lock word
@@ -205,8 +206,8 @@ def test_attach_fails_when_its_recovery_pass_fails(cache, procs):
     is not in the table); an attach with recover=False still works."""
     import struct
 
-    me = [p for p in _core.snapshot(cache.name)["processes"] if p["pid"] == os.getpid()][0]
-    proc = _core.struct_layout()["proc"]
+    me = [p for p in snapshot(cache.name)["processes"] if p["pid"] == os.getpid()][0]
+    proc = struct_layout()["proc"]
     off = (_core.layout_of(cache.config)["off_procs"] + proc["size"] * me["slot"]
            + proc["fields"]["cache_lock"][0])
     path = os.path.join("/dev/shm", cache.name.lstrip("/"))

@@ -455,7 +455,7 @@ def test_the_tier_port_is_all_the_tier_does_to_the_cache(seg_name):
 
 
 def test_checksum_and_codec_reject_everything_but_the_value():
-    from shmkv._prefix import tier_checksum
+    from shmkv._checksum import tier_checksum
     from shmkv.tier.codec import Layout
 
     assert tier_checksum(b"") != tier_checksum(b"\0")

@@ -10,7 +10,7 @@ from workers import truncate_workers
 from workers.mp_workers import assert_same, footprint, tokens
 
 import shmkv
-import shmkv._core as _core
+from shmkv.inspect import snapshot
 
 ctx = mp.get_context("spawn")
 
@@ -23,7 +23,7 @@ def _filled(cache, n, seed, ids=None):
 
 
 def _refcounts(cache):
-    return _core.snapshot(cache.name)["ref_cnt"]
+    return snapshot(cache.name)["ref_cnt"]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
@@ -132,7 +132,7 @@ def test_prefix_hashes_of_kept_blocks_stay_and_the_partial_tail_is_copied(make_c
     try:
         assert other.match_prefix(ids) == 3 * bs
         cache.truncate(a, bs + 2)
-        assert _core.snapshot(cache.name)["sequences"][0]["hashed"] == 1
+        assert snapshot(cache.name)["sequences"][0]["hashed"] == 1
         # whole kept block 0 still hits; block 1 (cut) and 2 (released, cached) too
         assert other.match_prefix(ids[:bs + 1]) == bs
         assert other.match_prefix(ids) == 3 * bs

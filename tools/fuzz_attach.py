@@ -11,7 +11,7 @@ shared area / block metadata / free list / process table / sequence slots / bloc
 tables / hash index / pools, truncations, extensions, zero length, state words.  Each
 case is written as a new shared-memory object, then:
 
-  * shmkv._core.snapshot(name)       -- the read-only inspection path: a result, or
+  * snapshot(name)       -- the read-only inspection path: a result, or
                                         SegmentError / FileNotFoundError / ValueError
   * shmkv.KVCache.attach(name)       -- success, or SegmentError / FileNotFoundError /
                                         ValueError; any other exception is a finding
@@ -75,6 +75,7 @@ from shmkv import _core
 from shmkv import pending as _pending
 from shmkv._events import EventReader
 from shmkv.cli import main as cli_main
+from shmkv.inspect import snapshot, struct_layout
 
 TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TOOLS_DIR not in sys.path:
@@ -82,7 +83,7 @@ if TOOLS_DIR not in sys.path:
 
 PAGE = 4096
 # ---- what the fuzzer knows of the layout: all of it from the C structs themselves -----
-_ABI = _core.struct_layout()
+_ABI = struct_layout()
 _H, _S = _ABI["header"]["fields"], _ABI["shared"]["fields"]
 
 
@@ -736,7 +737,7 @@ def run_case(name, data, attach, rng, finding):
     try:
         snap_ok = False
         try:
-            s = _core.snapshot(name, tables=rng.random() < 0.8)
+            s = snapshot(name, tables=rng.random() < 0.8)
             snap_ok = True
             # touch what the snapshot returned (lazy garbage would show here)
             for q in s["sequences"][:16]:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "src", "shmkv", "kernels")
 LAYERS = os.path.join(KERNELS, "layers.txt")
-SOURCES = (".h", ".c")
+SOURCES = (".h", ".c", ".inc")
 
 _KEYWORDS = frozenset(
     "if for while switch return sizeof do else case goto break continue defined "

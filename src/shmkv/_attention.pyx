@@ -74,8 +74,8 @@ cdef extern from "kernels/attention.h" nogil:
                         uint32_t group, int wide, int threads, uint32_t *rt, uint64_t *chunk)
     const char *shmkv_attn_pool()
     const char *shmkv_attn_build()
-    double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink)
-    double shmkv_bench_fma(uint64_t n, int threads, double *sink)
+    double shmkv_attn_run_timed(shmkv_task_fn fn, void *job, int threads, int *used,
+                                void (*setup)(void *job, int t) noexcept nogil)
 
 ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
 
@@ -118,8 +118,9 @@ def cpu_isa():
 
 
 def _force_isa(name):
-    """Test hook: force a path ("scalar", "avx2", "avx512", "amx"), or None for the best.
-    ValueError if this CPU cannot run it.  (SHMKV_ATTN_ISA=name does it at import.)"""
+    """Test hook: force a path ("scalar", "avx2", "avx512", "amx"), or None for the default
+    (the CPU's best, capped by SHMKV_ISA=name, or its older name SHMKV_ATTN_ISA, read once
+    at the first probe).  ValueError if this CPU cannot run it."""
     if name is None:
         shmkv_attn_force_isa(-1)
         return
@@ -188,42 +189,11 @@ def _plan(q_lens, seq_lens, group, wide, threads):
     return int(rt), (None if chunk == 0xFFFFFFFFFFFFFFFF else int(chunk))
 
 
-def bench_fma(threads=None, rounds=20_000_000):
-    """The dot-product bound's rate: float32 multiply-adds per second (lanes counted) on
-    ``threads`` threads of the kernel's pool (default: all), each running ``rounds`` rounds
-    of independent FMA chains from registers (16 of 16 lanes for avx512/amx, 12 of 8 for
-    avx2, 16 scalar: the width of the path in use, isa())."""
-    tp = 0 if threads is None else operator.index(threads)
-    rp = operator.index(rounds)
-    if tp < 0 or tp > 1024:
-        raise ValueError(f"threads: expected 0 <= threads <= 1024, got {tp}")
-    if rp < 1 or rp > 10 ** 12:
-        raise ValueError(f"rounds: expected 1 <= rounds <= 10**12, got {rp}")
-    cdef int t = tp
-    cdef uint64_t n = rp
-    cdef double sink = 0, rate
-    with nogil:
-        rate = shmkv_bench_fma(n, t, &sink)
-    if rate < 0:
-        raise MemoryError("bench_fma: no scratch for the pool")
-    return rate
-
-
-@cython.boundscheck(False)
-def bench_read(buf, threads=None):
-    """The read floor: seconds to read every byte of ``buf`` (a C-contiguous ndarray, e.g. a
-    pool view, any dtype) once, on ``threads`` threads of the kernel's pool (default: all)."""
-    if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
-        raise TypeError("buf: expected a C-contiguous numpy.ndarray")
-    cdef const uint8_t[::1] mv = buf.reshape(-1).view(np.uint8)
-    cdef uint64_t sink = 0
-    cdef int t = 0 if threads is None else operator.index(threads)
-    cdef double s
-    if mv.shape[0] == 0:
-        return 0.0
-    with nogil:
-        s = shmkv_bench_read(&mv[0], <uint64_t>mv.shape[0], t, &sink)
-    return s
+cdef double run_timed(shmkv_task_fn fn, void *job, int threads, int *used,
+                      void (*setup)(void *job, int t) noexcept nogil) noexcept nogil:
+    """shmkv._bench's way onto the kernel's pool (kernels/bench_floor.h): see
+    shmkv_attn_run_timed in kernels/attention.h."""
+    return shmkv_attn_run_timed(fn, job, threads, used, setup)
 
 
 cdef int _q_type(object dt, object pool_dt, int pool_code) except -1:

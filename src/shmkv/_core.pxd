@@ -59,7 +59,6 @@ cdef extern from "kernels/kernels.h" nogil:
     shmkv_dbg_t shmkv_dbg_local     # this module's own copy (the one _core's pointer keeps)
     void shmkv_crash(int id)
     int SHMKV_CP_COW_AFTER_COPY, SHMKV_CP_APPEND_BEFORE_PUBLISH, SHMKV_CP_APPEND_AFTER_PUBLISH
-    double shmkv_bench_alloc_free(shmkv_ctx_t *c, uint64_t iters, int shared)
     const int SHMKV_PC_GLOBAL[]
     void shmkv_counters_total(const shmkv_ctx_t *c, uint64_t *out)
     void shmkv_counts(const shmkv_ctx_t *c, uint64_t *free_blocks, uint64_t *cached,
@@ -72,10 +71,6 @@ cdef extern from "kernels/kernels.h" nogil:
     int shmkv_pcache_drain_all_locked(shmkv_ctx_t *c)
     int shmkv_quiesce_locked(shmkv_ctx_t *c)
     void shmkv_unquiesce_locked(shmkv_ctx_t *c)
-    double shmkv_bench_memcpy(uint8_t *dst, const uint8_t *src, uint64_t nbytes,
-                              uint64_t span, uint64_t iters, int streaming)
-    double shmkv_bench_rows(shmkv_ctx_t *c, const uint8_t *k, const uint8_t *v,
-                            const int64_t *slots, uint64_t n, uint64_t iters)
     int64_t shmkv_now_ns(int clk)
     void shmkv_count(shmkv_ctx_t *c, int which, uint64_t v)
     void shmkv_count_proc(shmkv_ctx_t *c, int which, uint64_t v)

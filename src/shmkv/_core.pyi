@@ -5,12 +5,6 @@ from typing import Any
 
 from typing_extensions import Self, disjoint_base
 
-from ._inspect import bench_alloc_free as bench_alloc_free
-from ._inspect import bench_append_rows as bench_append_rows
-from ._inspect import bench_memcpy as bench_memcpy
-from ._inspect import snapshot as snapshot
-from ._inspect import struct_layout as struct_layout
-from ._kvdata import empty_gather_buffers as empty_gather_buffers
 from .config import DTYPES as DTYPES
 from .config import HASHES as HASHES
 from .config import CacheConfig

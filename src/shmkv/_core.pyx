@@ -12,7 +12,6 @@ the process-local debug switches.  Every other shared field is written by the mo
 the method chain (_inspect, _prefix, _sequences, _kvdata), through the kernels.
 KVCache (cache.py) subclasses the last of them.
 """
-import importlib
 import os
 import secrets
 import threading
@@ -635,20 +634,3 @@ cdef void unlock_seqs(shmkv_ctx_t *c, const uint32_t *slots, Py_ssize_t n) noexc
     for i in range(n):
         shmkv_seq_touch(c, slots[i])
         shmkv_seq_unlock(c, slots[i])
-
-
-# --------------------------------------------------------------------------------------
-# names that moved to sibling modules in the split, for code that reads them as
-# _core.<name> (tools/fuzz_attach.py, benchmarks/): resolved on first use (PEP 562),
-# since the siblings cimport _core and so cannot be imported while it initialises
-# --------------------------------------------------------------------------------------
-_MOVED = {"snapshot": "_inspect", "struct_layout": "_inspect",
-          "bench_alloc_free": "_inspect", "bench_memcpy": "_inspect",
-          "bench_append_rows": "_inspect",
-          "empty_gather_buffers": "_kvdata"}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        return getattr(importlib.import_module("shmkv." + _MOVED[name]), name)
-    raise AttributeError(f"module 'shmkv._core' has no attribute {name!r}")

@@ -6,7 +6,8 @@
 InspectOps, the first link of the method chain above _core.Segment: stats(), check(),
 recover().  Module functions: snapshot() (a read-only copy of a segment for operators and
 the CLI), struct_layout() (the C structs' sizes and offsets, for tools that read raw
-bytes), and the kernel-only timing hooks of the benchmarks.
+bytes); their public face is shmkv.inspect.  The benchmarks' timing hooks are
+shmkv._bench's.
 
 Writes: check() and snapshot() write nothing in the segment (check() only try-locks idle
 sequences and every process cache, and releases them); stats() writes the sampled
@@ -464,83 +465,6 @@ cdef dict _snapshot(str name, _Mapping m, int fd, bint want_tables):
         max_recovery_s=sh.max_recovery_ns / 1e9, counters=counters,
         processes=procs, sequences=seqs, ref_cnt=refcnt, block_flags=flags,
         events=dict(capacity=c.cfg.event_capacity, head=shmkv_event_head(c)))
-
-
-# --------------------------------------------------------------------------------------
-# benchmark hooks: the bare kernels, no Python in the timed loop
-# --------------------------------------------------------------------------------------
-cdef extern from *:
-    """
-    /* a compiler barrier: the buffer behind p counts as read, its writes must happen */
-    static inline void shmkv__keep(void *p) { __asm__ __volatile__("" :: "r"(p) : "memory"); }
-    """
-    void _keep "shmkv__keep"(void *p) nogil
-
-
-def bench_alloc_free(Segment cache, uint64_t iters=1000000, bint shared=False):
-    """Kernel-only ns per block alloc+free, no Python in the loop.  By default through
-    the path reserve()/free() take (this process's own block cache); shared=True: the
-    shared free stack under the pool lock."""
-    cdef shmkv_ctx_t *c = ctx_of(cache)
-    cdef double r
-    cdef int sh = shared
-    with nogil:
-        r = shmkv_bench_alloc_free(c, iters, sh)
-    if r < 0:
-        raise CacheFullError("bench_alloc_free: no free block")
-    return r
-
-
-def bench_memcpy(uint64_t nbytes, uint64_t iters=1000, uint64_t span=0, bint streaming=False):
-    """ns per plain memcpy of nbytes (the physical floor), src/dst walking `span` bytes
-    (default nbytes: hot; larger than the last-level cache: cold).  streaming=True: the
-    copy with streaming (non-temporal) stores that big appends and gathers use."""
-    if span < nbytes:
-        span = nbytes
-    cdef uint8_t *src = <uint8_t *>malloc(span + 64)
-    cdef uint8_t *dst = <uint8_t *>malloc(span + 64)
-    cdef double r
-    if src == NULL or dst == NULL:
-        free(src); free(dst)
-        raise MemoryError()
-    memset(src, 1, span)
-    memset(dst, 2, span)
-    _keep(dst)      # or the compiler drops the memset and the timed loop pays the faults
-    with nogil:
-        r = shmkv_bench_memcpy(dst, src, nbytes, span, iters, streaming)
-    free(src); free(dst)
-    return r
-
-
-def bench_append_rows(Segment cache, k, v, slots, uint64_t iters=1000):
-    """ns per write of one token into every layer's K and V pool at the rows where the
-    paged layout puts ``slots[i % len(slots)]``: the layout-matched floor of a decode
-    append (the same 2 * num_layers rows in one strided C copy, no lock, no table).
-    k, v: [num_layers, 1, heads, dim] of the pool's dtype; slots: slot ids the caller owns
-    (e.g. from reserve), written over."""
-    cdef shmkv_ctx_t *c = ctx_of(cache)
-    shape = (c.cfg.num_layers, 1, c.cfg.num_kv_heads, c.cfg.head_dim)
-    ka, va = np.ascontiguousarray(k), np.ascontiguousarray(v)
-    if ka.dtype != cache.config.numpy_dtype or va.dtype != ka.dtype:
-        raise TypeError(f"k, v: expected dtype {cache.config.numpy_dtype}, got {ka.dtype}, "
-                        f"{va.dtype}")
-    if ka.shape != shape or va.shape != shape:
-        raise ValueError(f"k, v: expected shape {shape}, got {ka.shape}, {va.shape}")
-    cdef cnp.ndarray sl = np.ascontiguousarray(slots, dtype=np.int64)
-    cdef int64_t nslots = <int64_t>c.cfg.num_blocks * c.cfg.block_size
-    if sl.ndim != 1 or sl.shape[0] == 0 or sl.min() < 0 or sl.max() >= nslots:
-        raise ValueError(f"slots: expected a non-empty 1-d array of slot ids in [0, {nslots})")
-    if iters == 0:
-        raise ValueError("iters: expected >= 1, got 0")
-    cdef cnp.ndarray kt = ka, vt = va
-    cdef const uint8_t *kp = <const uint8_t *>cnp.PyArray_DATA(kt)
-    cdef const uint8_t *vp = <const uint8_t *>cnp.PyArray_DATA(vt)
-    cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(sl)
-    cdef uint64_t n = <uint64_t>sl.shape[0]
-    cdef double r
-    with nogil:
-        r = shmkv_bench_rows(c, kp, vp, sp, n, iters)
-    return r
 
 
 # --------------------------------------------------------------------------------------

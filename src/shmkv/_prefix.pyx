@@ -18,9 +18,9 @@ The remote tier's hooks (shmkv/tier/ holds the tier itself): set_tier / flush_ti
 tier counters (relaxed atomic adds), the write-through hook that hands the hashes of
 blocks just published to the tier's queue (_tier_published: no copy, no network on the
 caller's thread), the pin its writer reads them through (_tier_pin: a sequence taking
-blocks by hash, as a prefix hit does) and the value checksum (tier_checksum).  The tier
-reaches those through one TierPort set_tier hands it (pin, count, hashes, layout) and the
-cache's public API: it calls nothing private of the cache.
+blocks by hash, as a prefix hit does).  The tier reaches those through one TierPort
+set_tier hands it (pin, count, hashes, layout) and the cache's public API: it calls
+nothing private of the cache.  The value checksum is shmkv._checksum's, not this module's.
 """
 import hashlib
 import weakref
@@ -35,55 +35,12 @@ from libc.string cimport memcpy
 from shmkv._core cimport *
 from shmkv._inspect cimport InspectOps
 
-cdef extern from *:
-    """
-    /* The tier's value checksum: four xxh64-style lanes over 8-byte words (one multiply
-     * and one rotate per word, independent chains: memory speed, ~10 GB/s), the tail
-     * bytes, a final avalanche.  Not a hash for adversaries: it catches flipped bits and
-     * truncations; the value's fingerprint and block hash catch foreign ones. */
-    static inline uint64_t shmkv_ck_rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-    static uint64_t shmkv_tier_checksum(const uint8_t *p, size_t n, uint64_t seed) {
-        const uint64_t P1 = 0x9E3779B185EBCA87ULL, P2 = 0xC2B2AE3D27D4EB4FULL,
-                       P3 = 0x165667B19E3779F9ULL;
-        uint64_t a0 = seed + P1 + P2, a1 = seed + P2, a2 = seed, a3 = seed - P1;
-        size_t i = 0;
-        for (; i + 32 <= n; i += 32) {
-            uint64_t w[4];
-            memcpy(w, p + i, 32);
-            a0 = shmkv_ck_rotl(a0 + w[0] * P2, 31) * P1;
-            a1 = shmkv_ck_rotl(a1 + w[1] * P2, 31) * P1;
-            a2 = shmkv_ck_rotl(a2 + w[2] * P2, 31) * P1;
-            a3 = shmkv_ck_rotl(a3 + w[3] * P2, 31) * P1;
-        }
-        uint64_t h = shmkv_ck_rotl(a0, 1) + shmkv_ck_rotl(a1, 7) + shmkv_ck_rotl(a2, 12)
-                   + shmkv_ck_rotl(a3, 18) + (uint64_t)n;
-        for (; i < n; i++)
-            h = shmkv_ck_rotl(h ^ ((uint64_t)p[i] * P3), 11) * P1;
-        h ^= h >> 33; h *= P2; h ^= h >> 29; h *= P3; h ^= h >> 32;
-        return h;
-    }
-    """
-    uint64_t shmkv_tier_checksum(const uint8_t *p, size_t n, uint64_t seed) nogil
-
 cnp.import_array()
 bind_debug_state()
 
 _TIER_COUNTERS = (SHMKV_C_TIER_HITS, SHMKV_C_TIER_MISSES, SHMKV_C_TIER_ERRORS,
                   SHMKV_C_TIER_BYTES_IN, SHMKV_C_TIER_BYTES_OUT)
 
-
-def tier_checksum(const uint8_t[::1] data, uint64_t seed=0):
-    """The remote tier's value checksum (64-bit; see shmkv_tier_checksum above) of a
-    contiguous buffer; the GIL is released for large ones."""
-    cdef size_t n = data.shape[0]
-    cdef const uint8_t *p = &data[0] if n else NULL
-    cdef uint64_t h
-    if n >= 65536:
-        with nogil:
-            h = shmkv_tier_checksum(p, n, seed)
-    else:
-        h = shmkv_tier_checksum(p, n, seed)
-    return h
 
 _POLICIES = {"lru": SHMKV_C_EVICT_LRU, "lfu": SHMKV_C_EVICT_LRU + 1,
              "longest": SHMKV_C_EVICT_LRU + 2, "priority": SHMKV_C_EVICT_LRU + 3}

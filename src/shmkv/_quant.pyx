@@ -321,7 +321,8 @@ cdef class QuantOps(SequenceOps):
 
 def _force_quant_isa(name):
     """Test hook: the quantizers' path, "scalar" (portable C), "avx2" (AVX2 + F16C) or
-    "avx512" (AVX-512 F/BW/VL), if the CPU runs it, or None for the best.  Returns the path
+    "avx512" (AVX-512 F/BW/VL), if the CPU runs it, or None for the default (the CPU's
+    best, capped by SHMKV_ISA).  Returns the path
     now in use (read back from the switch the dispatch reads)."""
     global shmkv_q_isa      # quant.h's switch (without this, Cython makes a local of it)
     names = ("scalar", "avx2", "avx512")

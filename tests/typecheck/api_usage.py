@@ -14,7 +14,8 @@ import numpy as np
 import numpy.typing as npt
 
 import shmkv
-from shmkv import _core
+from shmkv import _bench
+from shmkv.inspect import snapshot
 
 
 def _kv(cfg: shmkv.CacheConfig, n: int, seed: int) -> npt.NDArray[np.float32]:
@@ -80,9 +81,9 @@ def observability_and_ownership(cache: shmkv.KVCache) -> None:
                 "cow_copies"):
         assert key in st
     assert cache.check() == []
-    snap: dict[str, Any] = _core.snapshot(cache.name)          # read-only, takes no lock
+    snap: dict[str, Any] = snapshot(cache.name)          # read-only, takes no lock
     assert snap["used_blocks"] == st["used_blocks"] and snap["config"] == cache.config
-    ns: float = _core.bench_alloc_free(cache, 1000)
+    ns: float = _bench.bench_alloc_free(cache, 1000)
     assert ns > 0
     sid = cache.create_sequence()
     cache.detach(sid)

@@ -356,7 +356,7 @@ def _block_of(values: dict, ids: list[int], i: int) -> bytes:
 def test_garbage_and_foreign_values_in_redis_are_never_loaded(hosts):
     import torch
 
-    from shmkv._prefix import tier_checksum
+    from shmkv._checksum import tier_checksum
 
     h = hosts
     out = {}

@@ -6,6 +6,7 @@ import numpy as np
 
 import shmkv
 import shmkv._core as _core
+from shmkv.inspect import snapshot
 
 
 def segment_bytes(cache):
@@ -66,7 +67,7 @@ def attach_with_recovery(name, timeout, out_q):
     except Exception as e:                          # reported, checked by the test
         err = type(e).__name__
     took = time.monotonic() - t0
-    listed = any(p["pid"] == me for p in _core.snapshot(name)["processes"])
+    listed = any(p["pid"] == me for p in snapshot(name)["processes"])
     with shmkv.KVCache.attach(name, recover=False) as c:
         plain = c.stats()["num_processes"]
     out_q.put((err, listed, plain, took))

@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 import shmkv
-from shmkv import _core
+from shmkv.inspect import snapshot
 
 from .codec import resolve_record
 from .common import (
@@ -68,7 +68,7 @@ class Audits:
         """Independent of check(): recount every block's references from the read-only
         snapshot.  Also: with every worker dead and recovery run, no sequence lock may
         still be held (returns those sequences: gathering them would wait)."""
-        snap = _core.snapshot(self.name)
+        snap = snapshot(self.name)
         locked = set()
         for s in snap["sequences"]:
             if s["writer_token"]:
@@ -200,7 +200,7 @@ class Audits:
         match_prefix() promised, and they must hold exactly that prompt's K/V and ids
         (a wrong hit, a hit across salts, a chain that lost its head all show)."""
         c, cfg, bs = self.cache, self.cfg, self.cfg.block_size
-        snap = _core.snapshot(self.name, tables=False)
+        snap = snapshot(self.name, tables=False)
         hashed = np.flatnonzero(np.asarray(snap["block_flags"]) & 1)
         if self.views is None:
             self.views = [(c.key_cache(l), c.value_cache(l)) for l in range(cfg.num_layers)]

@@ -16,6 +16,7 @@ import numpy as np
 
 import shmkv
 from shmkv import _core
+from shmkv.inspect import snapshot
 
 from .audit import Audits
 from .codec import Codec, Prompts
@@ -358,7 +359,7 @@ class Controller(Audits, EventAudits, Report):
         findable, behind the workers' backs, the way a core bug would; the run must
         catch it."""
         if self.args.sabotage == "corrupt_cached":
-            snap = _core.snapshot(self.name, tables=False)
+            snap = snapshot(self.name, tables=False)
             cached = np.flatnonzero((np.asarray(snap["block_flags"]) & 1)
                                     & (np.asarray(snap["ref_cnt"]) == 0))
             if cached.size:

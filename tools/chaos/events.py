@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from shmkv import _core
+from shmkv.inspect import snapshot
 
 KINDS = ("stored", "removed", "cleared")
 
@@ -93,7 +94,7 @@ class EventAudits:
                 latest[ev.block_id] = ev
             else:
                 latest[ev.block_id] = None
-        snap = _core.snapshot(self.name, tables=False)
+        snap = snapshot(self.name, tables=False)
         hashed = np.asarray(snap["block_flags"]) & 1
         toks = token_table(self.name, cfg)
         nbad = 0
@@ -128,7 +129,7 @@ class EventAudits:
                 latest.clear()
             else:
                 latest[ev.block_id] = ev if ev.kind == "stored" else None
-        hashed = np.asarray(_core.snapshot(self.name, tables=False)["block_flags"]) & 1
+        hashed = np.asarray(snapshot(self.name, tables=False)["block_flags"]) & 1
         toks = token_table(self.name, cfg)
         later = c.events(head0)
         if later.lost:

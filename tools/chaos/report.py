@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from shmkv import _core
+from shmkv.inspect import snapshot
 
 from .common import CNT_BASE, FAIL_BASE, FAIL_KINDS, LANE_FIELDS, LF, MAX_BASE, OPS, _lane_sum
 
@@ -14,7 +14,7 @@ class Report:
 
     def _summary(self):
         a, J = self.args, self.J
-        snap = _core.snapshot(self.name, tables=False)     # lock-free: safe even if wedged
+        snap = snapshot(self.name, tables=False)     # lock-free: safe even if wedged
         st = dict(snap["counters"], max_recovery_s=snap["max_recovery_s"])
         lane_fail = _lane_sum(J, FAIL_BASE, len(FAIL_KINDS))
         fails = {k: int(lane_fail[i]) + self.fails[k] for i, k in enumerate(FAIL_KINDS)}

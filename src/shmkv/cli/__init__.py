@@ -1,7 +1,7 @@
 """shmkv admin CLI: find segments, see who holds what, repair, watch live, export metrics.
 
 Every inspection command (ls, info, seqs, blocks, procs, top, metrics) reads the segment
-through ``_core.snapshot``: a read-only mapping, no lock, no registration in the process
+through ``shmkv.inspect.snapshot``: a read-only mapping, no lock, no registration in the process
 table, every index clamped.  So it works on a segment whose processes all died, never
 changes one, and cannot be blocked by a process that holds a lock.  Only ``check``,
 ``recover``, ``create`` and ``rm`` change anything, and they say so in their help.

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from .. import _core
+from .. import inspect as shmkv_inspect
 from ..errors import SegmentError
 from .common import EXIT_OK, CLIError
 from .reader import analyze, load
@@ -184,7 +184,7 @@ def exposition(names):
     for name in names:
         base = {"segment": name}
         try:
-            snap = _core.snapshot(name, tables=True)
+            snap = shmkv_inspect.snapshot(name, tables=True)
         except (OSError, SegmentError):
             add("shmkv_up", "gauge", "1 if the segment could be read, else 0.", base, 0)
             continue

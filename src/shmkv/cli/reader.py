@@ -14,6 +14,7 @@ import struct
 import numpy as np
 
 from .. import _core
+from .. import inspect as shmkv_inspect
 from .._shmfile import ofd_lock
 from ..errors import LockTimeout, SegmentError, ShmkvError
 from .common import (
@@ -109,7 +110,7 @@ def _mapped(exc, name, missing, denied):
 def load(name, tables=True):
     """snapshot(name), or CLIError(exit 2) with one clear line."""
     try:
-        return _core.snapshot(name, tables=tables)
+        return shmkv_inspect.snapshot(name, tables=tables)
     except OSError as e:
         err = _mapped(e, name, f" ({seg_path(name)} does not exist; `shmkv ls` lists "
                       "segments)", " (the segment belongs to another user; run as that user "
@@ -316,7 +317,7 @@ def scan(patterns=(), include_all=False):
             continue
         row = dict(name=e.name, path=e.path, size_bytes=size)
         try:
-            snap = _core.snapshot(e.name, tables=True)
+            snap = shmkv_inspect.snapshot(e.name, tables=True)
         except FileNotFoundError:
             continue
         except PermissionError:
@@ -370,7 +371,7 @@ def liveness(name):
     """(live pids or None, state) of a segment, whatever its state; raises CLIError for a
     missing file."""
     try:
-        snap = _core.snapshot(name, tables=False)
+        snap = shmkv_inspect.snapshot(name, tables=False)
     except SegmentError as e:
         state, _ = classify_error(name, e)
         return None, state

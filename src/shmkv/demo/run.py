@@ -18,8 +18,8 @@ import time
 import uuid
 from multiprocessing.connection import wait
 
-from .. import _core
 from ..cache import KVCache
+from ..inspect import snapshot
 from . import report
 from .model import Chat, load_model, make_traffic
 from .workers import worker_main
@@ -295,7 +295,7 @@ def _serve(kv, name, chat, convs, reqs, workers, victim):
                     w.task = None
             if errors:
                 break
-            snap = _core.snapshot(name)
+            snap = snapshot(name)
             shared = int((snap["ref_cnt"] > 1).sum())
             peak_shared, peak_used = max(peak_shared, shared), max(peak_used,
                                                                    snap["used_blocks"])

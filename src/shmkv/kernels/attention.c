@@ -1,13 +1,14 @@
 /*
  * kernels/attention.c -- the paged-attention kernel: work split, thread pool, ISA dispatch.
- * See attention.h for the contract.  The per-ISA inner loops are attention_isa.h, compiled
+ * See attention.h for the contract.  The per-ISA inner loops are attention_isa.inc, compiled
  * three times below (scalar, AVX2+F16C+FMA, AVX-512 F/BW/VL+F16C) under GCC target pragmas
  * (clang: `#pragma clang attribute` target attributes, since clang ignores GCC's);
- * the path is chosen at run time from the CPU's features (SHMKV_ATTN_ISA forces one).
- * Its other parts, each included once below: attention_amx.h (prefill on AMX tiles),
- * attention_dot.h and attention_dot_gemm.h (the opt-in bf16 mode on vdpbf16ps / vpdpbusd),
- * attention_pool.h (the threads), attention_plan.h (the work split and the merge),
- * attention_floor.h (the read floor and FMA peak the benchmarks compare with).
+ * the path is chosen at run time from the CPU's level (cpu.h; SHMKV_ISA caps it).
+ * Its other parts, each included once below: attention_amx.inc (prefill on AMX tiles),
+ * attention_dot.inc and attention_dot_gemm.inc (the opt-in bf16 mode on vdpbf16ps / vpdpbusd),
+ * attention_pool.inc (the threads), attention_plan.inc (the work split and the merge).  The
+ * benchmarks' read floor and FMA peak are shmkv._bench's (bench_floor.h), on this pool's
+ * threads through shmkv_attn_run_timed.
  */
 #define _GNU_SOURCE 1
 #include "attention.h"
@@ -22,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#if defined(__x86_64__) && defined(__GNUC__)
+#if SHMKV_X86
 #include <immintrin.h>
 #endif
 
@@ -134,11 +135,75 @@ static inline int shmkv_att_slots(const shmkv_attn_args_t *a, const int32_t *tab
     return 0;
 }
 
+/* ---- the walk over an item's keys (every item's: one walk) -----------------------------
+ * Keys [t0, t1) in steps of up to n keys (the row items' tiles of TILE, the GEMM items'
+ * steps, the AMX item's chunks), double-buffered: the block ids of the step after this one
+ * are read (once, checked) before this one is worked on, so that its rows can be
+ * prefetched a step ahead.  The caller gives two buffers of n slots and, when it wants the
+ * row addresses too, two of n K and V rows (tok: bytes per token, every head):
+ *     shmkv_walk_t k = { .a = a, .table = table, .t1 = t1, .n = n, .slot = { s0, s1 } };
+ *     if (shmkv_walk_start(&k, t0)) return -1;
+ *     for (; k.nt; shmkv_walk_next(&k)) {
+ *         if (shmkv_walk_ahead(&k)) return -1;
+ *         ... keys [k.ts, k.ts + k.nt) in slot[k.w]; the next step's k.nn in slot[k.w ^ 1]
+ *     }
+ * A corrupt block id fails the item (-1) before the step that holds it, or the one before
+ * it, is worked on. */
+typedef struct {
+    const shmkv_attn_args_t *a;
+    const int32_t *table;
+    uint32_t t1, n;                 /* the end of the keys, keys per step */
+    uint32_t ts, nt;                /* this step: keys [ts, ts + nt); nt 0: the walk is over */
+    uint32_t tn, nn;                /* the next step: keys [tn, tn + nn); nn 0: none */
+    int w;                          /* this step's buffers are [w], the next one's [w ^ 1] */
+    size_t *slot[2];                /* the caller's buffers of n slots */
+    const uint8_t **kb[2], **vb[2]; /* NULL, or the caller's buffers of n K / V rows */
+    size_t tok;                     /* bytes per token, every head (with kb, vb) */
+} shmkv_walk_t;
+
+static inline uint32_t shmkv_walk_len(const shmkv_walk_t *k, uint32_t t) {
+    return t >= k->t1 ? 0 : k->t1 - t < k->n ? k->t1 - t : k->n;
+}
+
+static inline int shmkv_walk_load(shmkv_walk_t *k, int b, uint32_t t, uint32_t n) {
+    if (n == 0) return 0;
+    if (shmkv_att_slots(k->a, k->table, t, n, k->slot[b])) return -1;
+    if (k->kb[b] != NULL)
+        for (uint32_t j = 0; j < n; j++) {
+            k->kb[b][j] = k->a->kpool + k->slot[b][j] * k->tok;
+            k->vb[b][j] = k->a->vpool + k->slot[b][j] * k->tok;
+        }
+    return 0;
+}
+
+/* The first step, its slots (and rows) loaded.  0, or -1 on a corrupt block id. */
+static inline int shmkv_walk_start(shmkv_walk_t *k, uint32_t t0) {
+    k->w = 0;
+    k->ts = t0;
+    k->nt = shmkv_walk_len(k, t0);
+    k->tn = t0 + k->n;
+    k->nn = shmkv_walk_len(k, k->tn);
+    return shmkv_walk_load(k, 0, t0, k->nt);
+}
+
+/* The next step's slots (and rows), loaded at the top of each step.  0, or -1. */
+static inline int shmkv_walk_ahead(shmkv_walk_t *k) {
+    return shmkv_walk_load(k, k->w ^ 1, k->tn, k->nn);
+}
+
+static inline void shmkv_walk_next(shmkv_walk_t *k) {
+    k->ts = k->tn;
+    k->nt = k->nn;
+    k->w ^= 1;
+    k->tn = k->ts + k->n;
+    k->nn = shmkv_walk_len(k, k->tn);
+}
+
 /* Prefill rows go to the AMX tiles under this ISA (every pool dtype: quantized pools' codes
  * are exact in bf16; head_dim a multiple of 32); the item then needs nrows > 1 as well. */
 static inline int shmkv_att_tiles(const shmkv_attn_args_t *a, int isa) {
     /* the opt-in bf16 mode runs on AVX512_BF16 instead: its q is q * scale rounded, the
-     * tiles take q as given and scale the scores (see attention_dot.h) */
+     * tiles take q as given and scale the scores (see attention_dot.inc) */
     return isa >= SHMKV_ISA_AMX && a->d % 32 == 0 && a->precision != SHMKV_PREC_BF16;
 }
 
@@ -183,11 +248,10 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 /* ---- the per-ISA item loop ------------------------------------------------------------ */
 #define SHMKV_ISA_SUFFIX scalar
 #define SHMKV_ISA_PASS 0
-#include "attention_isa.h"
+#include "attention_isa.inc"
 #undef SHMKV_ISA_SUFFIX
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define SHMKV_HAVE_X86 1
+#if SHMKV_X86
 #if defined(__clang__)     /* clang ignores GCC target pragmas: an attribute on each function */
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
@@ -197,7 +261,7 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #define SHMKV_ISA_SUFFIX avx2
 #undef SHMKV_ISA_PASS
 #define SHMKV_ISA_PASS 1
-#include "attention_isa.h"
+#include "attention_isa.inc"
 #undef SHMKV_ISA_SUFFIX
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -214,23 +278,21 @@ static void shmkv_att_load_q(const shmkv_attn_args_t *a, const shmkv_item_t *it,
 #define SHMKV_ISA_SUFFIX avx512
 #undef SHMKV_ISA_PASS
 #define SHMKV_ISA_PASS 2
-#include "attention_isa.h"
+#include "attention_isa.inc"
 #undef SHMKV_ISA_SUFFIX
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
 #pragma GCC pop_options
 #endif
-#else
-#define SHMKV_HAVE_X86 0
 #endif
-#include "attention_amx.h"
-#include "attention_dot.h"
-#include "attention_dot_gemm.h"
+#include "attention_amx.inc"
+#include "attention_dot.inc"
+#include "attention_dot_gemm.inc"
 
 typedef int (*shmkv_item_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                              uint32_t);
-/* the prefill items on FMAs (attention_gemm.h): the row item's arguments and a scratch */
+/* the prefill items on FMAs (attention_gemm.inc): the row item's arguments and a scratch */
 typedef int (*shmkv_gemm_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                              uint32_t, float *);
 typedef size_t (*shmkv_gemm_scratch_fn)(uint32_t, uint32_t);
@@ -240,71 +302,25 @@ typedef size_t (*shmkv_gemm_scratch_fn)(uint32_t, uint32_t);
 #define GEMM_MIN_QV 32
 static int shmkv_att_gemm_off;  /* _attention._force_rows(True): the row item always */
 
-static int shmkv_att_isa_forced = -1;
+static int shmkv_att_isa_forced = -1;  /* _attention._force_isa; -1: the default */
 
-#if SHMKV_HAVE_X86
-/* F16C and FMA from CPUID leaf 1 (clang's __builtin_cpu_supports knows no "f16c") */
-static int shmkv_cpu_f16c_fma(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    return (c >> 29 & 1) && (c >> 12 & 1);
-}
-#endif
-
-static int shmkv_attn_cpu_isa_probe(void) {
-#if SHMKV_HAVE_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && shmkv_cpu_f16c_fma())
-        return shmkv_amx_usable() ? SHMKV_ISA_AMX : SHMKV_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && shmkv_cpu_f16c_fma())
-        return SHMKV_ISA_AVX2;
-#endif
-    return SHMKV_ISA_SCALAR;
-}
-
-/* Probed once per process: CPUID traps to the hypervisor in a VM (13 us a call measured on
- * this project's machines, and every attention call asked three times: 39 us, about a
- * SmolLM2 layer's whole decode attention at short context). */
-int shmkv_attn_cpu_isa(void) {
-    static int isa = -1;
-    int v = __atomic_load_n(&isa, __ATOMIC_RELAXED);
-    if (v < 0) {
-        v = shmkv_attn_cpu_isa_probe();
-        __atomic_store_n(&isa, v, __ATOMIC_RELAXED);
-    }
-    return v;
-}
-
-/* SHMKV_ATTN_ISA=name forces a path from the first call that asks which (a _force_isa
- * after it wins). */
-static pthread_once_t shmkv_att_isa_once = PTHREAD_ONCE_INIT;
-static void shmkv_att_isa_env(void) {
-    const char *f = getenv("SHMKV_ATTN_ISA");
-    if (f && *f) {
-        int isa = !strcmp(f, "scalar") ? SHMKV_ISA_SCALAR : !strcmp(f, "avx2") ? SHMKV_ISA_AVX2
-                : !strcmp(f, "avx512") ? SHMKV_ISA_AVX512 : !strcmp(f, "amx") ? SHMKV_ISA_AMX : -1;
-        if (isa >= 0 && isa <= shmkv_attn_cpu_isa()) shmkv_att_isa_forced = isa;
-    }
-}
+int shmkv_attn_cpu_isa(void) { return shmkv_cpu_best(); }
 
 int shmkv_attn_isa(void) {
-    pthread_once(&shmkv_att_isa_once, shmkv_att_isa_env);
-    return shmkv_att_isa_forced >= 0 ? shmkv_att_isa_forced : shmkv_attn_cpu_isa();
+    const int f = __atomic_load_n(&shmkv_att_isa_forced, __ATOMIC_RELAXED);
+    return f >= 0 ? f : shmkv_cpu_isa();
 }
 
 int shmkv_attn_force_isa(int isa) {
-    pthread_once(&shmkv_att_isa_once, shmkv_att_isa_env);
-    if (isa < 0) { shmkv_att_isa_forced = -1; return 0; }
-    if (isa > shmkv_attn_cpu_isa()) return -1;
-    shmkv_att_isa_forced = isa;
+    if (isa > shmkv_cpu_best()) return -1;
+    __atomic_store_n(&shmkv_att_isa_forced, isa < 0 ? -1 : isa, __ATOMIC_RELAXED);
     return 0;
 }
 
 /* The widest vector path whose width divides d (the inner loops have no tails). */
 static shmkv_item_fn shmkv_att_pick(uint32_t d) {
     int isa = shmkv_attn_isa();
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     if (isa >= SHMKV_ISA_AVX512 && d % 16 == 0) return shmkv_att_item_avx512;
     if (isa >= SHMKV_ISA_AVX2 && d % 8 == 0) return shmkv_att_item_avx2;
 #else
@@ -319,7 +335,7 @@ static shmkv_gemm_fn shmkv_att_pick_gemm(uint32_t d, shmkv_gemm_scratch_fn *scra
     int isa = shmkv_attn_isa();
     *scratch = NULL;
     if (shmkv_att_gemm_off) return NULL;
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     if (isa >= SHMKV_ISA_AVX512 && d % 16 == 0) {
         *scratch = shmkv_gemm_scratch_avx512;
         return shmkv_att_item_gemm_avx512;
@@ -339,7 +355,7 @@ int shmkv_attn_force_rows(int on) {
     return 0;
 }
 
-/* the opt-in mode's items on the dot instructions (attention_dot.h): the row item's
+/* the opt-in mode's items on the dot instructions (attention_dot.inc): the row item's
  * arguments and a scratch */
 typedef int (*shmkv_dot_fn)(const shmkv_attn_args_t *, const shmkv_item_t *, float *, float *,
                             uint32_t, float *);
@@ -351,8 +367,8 @@ int shmkv_attn_force_dots(int on) {
 }
 
 int shmkv_attn_dot_isa(void) {
-#if SHMKV_HAVE_X86
-    if (!shmkv_att_dots_off && shmkv_attn_isa() >= SHMKV_ISA_AVX512) return shmkv_dot_cpu();
+#if SHMKV_X86
+    if (!shmkv_att_dots_off && shmkv_attn_isa() >= SHMKV_ISA_AVX512) return shmkv_cpu_dots();
 #endif
     return 0;
 }
@@ -362,7 +378,7 @@ int shmkv_attn_dot_isa(void) {
  * most 256: the integer sums stay exact in float32). */
 static shmkv_dot_fn shmkv_att_pick_dot(const shmkv_attn_args_t *a) {
     if (a->precision != SHMKV_PREC_BF16) return NULL;
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     const int dots = shmkv_attn_dot_isa();
     if (a->kv_dtype == SHMKV_ATT_BF16 && (dots & SHMKV_DOT_BF16) && a->d % 32 == 0)
         return shmkv_att_item_dpbf16;
@@ -372,7 +388,7 @@ static shmkv_dot_fn shmkv_att_pick_dot(const shmkv_attn_args_t *a) {
     return NULL;
 }
 
-#include "attention_pool.h"     /* the thread pool, and the OpenMP team it may borrow */
+#include "attention_pool.inc"     /* the thread pool, and the OpenMP team it may borrow */
 
 /* ---- the attention job ---------------------------------------------------------------- */
 static shmkv_item_fn shmkv_att_fn;
@@ -400,14 +416,14 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     const shmkv_item_t *it = &j->items[i];
     const uint32_t G = a->hq / a->hkv, nqv = it->nrows * a->hq, d = a->d;
     /* prefill rows go to the tiles where the CPU has them */
-    const int amx = SHMKV_HAVE_X86 && it->nrows > 1 && shmkv_att_tiles(a, shmkv_att_isa_now);
+    const int amx = SHMKV_X86 && it->nrows > 1 && shmkv_att_tiles(a, shmkv_att_isa_now);
     /* other prefill rows, enough query vectors to fill the lanes: the GEMM-shaped item */
     const int gemm = !amx && shmkv_att_gemm != NULL && it->nrows > 1 && it->nrows * G >= GEMM_MIN_QV;
     /* the opt-in mode's row item on dot instructions, where there is one */
     const int dot = !amx && !gemm && shmkv_att_dot != NULL;
     /* scratch: qf [nqv][d], acc [nqv][d], m [nqv], l [nqv] (then the tiles' own) */
     const size_t base = ((size_t)nqv * (2 * d + 2) + 64 + 15) / 16 * 16;
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     const size_t extra = amx ? shmkv_amx_scratch(it->nrows * G, d, a->hkv)
                        : gemm ? shmkv_att_gemm_scratch(it->nrows * G, d)
                        : dot ? shmkv_dot_scratch(nqv, d) : 0;
@@ -418,7 +434,7 @@ static void shmkv_att_task(void *ctx, uint32_t i, int tid) {
     if (s == NULL) { j->err = SHMKV_ATT_ENOMEM; return; }
     float *qf = s, *acc = s + (size_t)nqv * d, *m = acc + (size_t)nqv * d, *l = m + nqv;
     shmkv_att_load_q(a, it, qf, amx ? 1.0f : a->scale);
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     const int rc = amx ? shmkv_att_item_amx(a, it, qf, acc, nqv, s + base)
                  : gemm ? shmkv_att_gemm(a, it, qf, acc, nqv, s + base)
                  : dot ? shmkv_att_dot(a, it, qf, acc, nqv, s + base)
@@ -468,7 +484,7 @@ static int shmkv_grow(void **buf, size_t *cap, size_t need, size_t elem) {
     return 0;
 }
 
-#include "attention_plan.h"     /* the work split and the merge of split keys */
+#include "attention_plan.inc"     /* the work split and the merge of split keys */
 
 int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     pthread_once(&shmkv_att_once, shmkv_att_init);
@@ -482,7 +498,7 @@ int shmkv_attention(const shmkv_attn_args_t *a, int *bad_seq) {
     shmkv_att_gemm = shmkv_att_pick_gemm(a->d, &shmkv_att_gemm_scratch);
     shmkv_att_isa_now = shmkv_attn_isa();
     shmkv_att_dot = shmkv_att_pick_dot(a);
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     /* the opt-in mode's prefill rows on vdpbf16ps where the FMA GEMM item would run */
     if (shmkv_att_gemm != NULL && shmkv_att_dot == shmkv_att_item_dpbf16) {
         shmkv_att_gemm = shmkv_att_item_gemm_dpbf16;
@@ -550,4 +566,41 @@ out:
     return st;
 }
 
-#include "attention_floor.h"    /* the build string, the read floor, the FMA peak */
+/* ---- the build ------------------------------------------------------------------------
+ * The compiler and whether it optimised: what the default mode's recorded result digests
+ * (tests/data/attention_default.json) belong to -- another compiler, or -O0, may contract
+ * and order float operations differently. */
+#if defined(__clang__)
+#define SHMKV_CC "clang " __clang_version__
+#elif defined(__GNUC__)
+#define SHMKV_CC "gcc " __VERSION__
+#else
+#define SHMKV_CC "cc"
+#endif
+#if defined(__OPTIMIZE__)
+#define SHMKV_OPT ", optimised"
+#else
+#define SHMKV_OPT ", -O0"
+#endif
+const char *shmkv_attn_build(void) { return SHMKV_CC SHMKV_OPT; }
+
+/* ---- one timed task per thread (the benchmarks' floors, shmkv._bench) ------------------ */
+double shmkv_attn_run_timed(shmkv_task_fn fn, void *job, int threads, int *used,
+                            void (*setup)(void *job, int t)) {
+    pthread_once(&shmkv_att_once, shmkv_att_init);
+    pthread_mutex_lock(&P.call_mu);
+    double secs = -1;
+    if (shmkv_pool_start() == 0) {
+        int t = threads <= 0 || threads > P.wanted ? P.wanted : threads;
+        if (t > 256) t = 256;
+        setup(job, t);
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        shmkv_pool_run(fn, job, (uint32_t)t, t);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+        *used = t;
+    }
+    pthread_mutex_unlock(&P.call_mu);
+    return secs;
+}

@@ -27,11 +27,11 @@
 
 #include <stdint.h>
 
+#include "cpu.h"          /* the ISA levels (SHMKV_ISA_*), probed once */
+
 enum { SHMKV_ATT_F32 = 0, SHMKV_ATT_F16 = 1, SHMKV_ATT_BF16 = 2,
        SHMKV_ATT_I8 = 3,        /* int8 codes, a float32 scale per slot and kv head */
        SHMKV_ATT_E4M3 = 4 };    /* float8 e4m3fn codes, a float32 scale per kv head */
-enum { SHMKV_ISA_SCALAR = 0, SHMKV_ISA_AVX2 = 1, SHMKV_ISA_AVX512 = 2,
-       SHMKV_ISA_AMX = 3 };     /* AVX-512 + prefill items on AMX-BF16 tiles */
 enum { SHMKV_PREC_FP32 = 0,    /* the default: q, K, V, weights as given; fp32 products */
        SHMKV_PREC_BF16 = 1 };   /* opt-in: q (times the scale) and the softmax weights rounded
                                    to bf16 once; the CPU's bf16 / int8 dot instructions */
@@ -67,7 +67,9 @@ int shmkv_attn_set_threads(int n);     /* n >= 1; 0 = the affinity mask's count 
 int shmkv_attn_get_threads(void);
 int shmkv_attn_cpu_isa(void);          /* the best path this CPU runs */
 int shmkv_attn_isa(void);              /* the path in use */
-int shmkv_attn_force_isa(int isa);     /* -1 = back to the best; returns 0, or -1 if unsupported */
+/* -1 = back to the default (cpu.h: the CPU's, capped by SHMKV_ISA); returns 0, or -1 if
+ * the CPU does not run it */
+int shmkv_attn_force_isa(int isa);
 /* 1: prefill rows on the row item only (the path before the GEMM item; for tests and
  * benchmarks), 0: the GEMM item where it applies (the default) */
 int shmkv_attn_force_rows(int on);
@@ -89,12 +91,13 @@ const char *shmkv_attn_pool(void);
 /* The compiler that built the kernel and whether it optimised ("gcc 12.2.0, optimised"). */
 const char *shmkv_attn_build(void);
 
-/* The read floor: every byte of buf read once by `threads` threads (0 = the pool's).
- * Returns seconds; *sink receives a checksum so the reads cannot be optimised away. */
-double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink);
-/* The FMA peak: float32 lane-FMAs per second of `threads` threads (0 = the pool's), each
- * running n rounds of independent FMAs from registers (16 chains of 16 lanes for
- * avx512/amx, 12 of 8 for avx2, 16 scalar).  *sink receives the results' sum. */
-double shmkv_bench_fma(uint64_t n, int threads, double *sink);
+/* One task of the pool: item `item` of a job, on thread `tid`. */
+typedef void (*shmkv_task_fn)(void *ctx, uint32_t item, int tid);
+/* For the benchmarks' floors (shmkv._bench, kernels/bench_floor.h): setup(job, t), then
+ * tasks 0..t-1 of fn on t threads of the pool (threads 0: all, at most 256), one call at a
+ * time like the kernel's.  Returns the seconds the tasks took, or -1 (the pool did not
+ * start); *used: t.  Not a Python name: shmkv._attention exports it to shmkv._bench. */
+double shmkv_attn_run_timed(shmkv_task_fn fn, void *job, int threads, int *used,
+                            void (*setup)(void *job, int t));
 
 #endif

@@ -169,7 +169,7 @@ static inline void shmkv_count_hot(shmkv_ctx_t *c, int pc, uint64_t v) {
 
 /* Every counter of the segment: the global ones plus what each attached process has
  * counted on its own slot.  out has SHMKV_NCOUNTERS entries.  No lock (statistics). */
-static void shmkv_counters_total(const shmkv_ctx_t *c, uint64_t *out) {
+static inline void shmkv_counters_total(const shmkv_ctx_t *c, uint64_t *out) {
     for (int i = 0; i < SHMKV_NCOUNTERS; i++)
         out[i] = shmkv_atomic_load_u64_relaxed(&c->sh->counters[i]);
     for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
@@ -192,7 +192,7 @@ static void shmkv__fold_proc_counters(shmkv_ctx_t *c, shmkv_proc_t *p) {
  * readiness, checksum, the layout recomputed from the config, the real size.  Reads the
  * header into a local copy first, so a writer racing with us cannot change what we
  * validated. */
-static int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int readonly) {
+static inline int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int readonly) {
     memset(c, 0, sizeof(*c));
     c->lock_fd = -1;
     c->proc_slot = SHMKV_NIL;
@@ -244,7 +244,7 @@ static int shmkv_ctx_bind(shmkv_ctx_t *c, uint8_t *base, uint64_t size, int read
 /* ---- init: the creator builds a fresh segment -------------------------------------- */
 /* Precondition: base maps layout->segment_size zeroed bytes nobody else trusts yet
  * (state is 0).  Stores READY last, with release ordering. */
-static int shmkv_seg_init(uint8_t *base, const shmkv_config_t *cfg, uint64_t pid,
+static inline int shmkv_seg_init(uint8_t *base, const shmkv_config_t *cfg, uint64_t pid,
                           uint64_t now_ns, uint64_t seed) {
     shmkv_layout_t lay;
     int st = shmkv_layout_compute(cfg, &lay);

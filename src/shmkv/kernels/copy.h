@@ -8,7 +8,7 @@
 /* ---- byte copies between a sequence and dense [layers][n][heads*dim] buffers ------------ */
 /* Caller holds the sequence lock; positions [pos, pos+n) lie inside the table.  Every
  * table entry used is validated before the first byte moves. */
-static int shmkv_seq_check_span(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n) {
+static inline int shmkv_seq_check_span(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n) {
     if (n == 0) return SHMKV_OK;
     const shmkv_seq_t *q = &c->seqs[slot];
     uint32_t nb = q->nblocks;
@@ -102,14 +102,14 @@ static void shmkv_seq_copy_rows(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uin
 }
 
 /* The K or V pool's rows: see shmkv_seq_copy_rows. */
-static void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+static inline void shmkv_seq_copy(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
                            uint8_t *pool, uint8_t *buf, int to_pool) {
     shmkv_seq_copy_rows(c, slot, pos, n, pool, c->lay.layer_stride, c->lay.token_bytes, buf,
                         to_pool);
 }
 
 /* Slot ids of positions [pos, pos+n) (slot = block * block_size + offset). */
-static void shmkv_seq_slots(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+static inline void shmkv_seq_slots(const shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
                             int64_t *out) {
     const int32_t *t = shmkv_table(c, slot);
     const uint64_t bs = c->cfg.block_size;
@@ -136,7 +136,7 @@ static int shmkv_write_rows(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots
     return SHMKV_OK;
 }
 
-static int shmkv_write_slots(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
+static inline int shmkv_write_slots(shmkv_ctx_t *c, uint32_t layer, const int64_t *slots, uint64_t n,
                              const uint8_t *k, const uint8_t *v, int64_t *bad) {
     return shmkv_write_rows(c, layer, slots, n, c->kpool, c->vpool, c->lay.layer_stride,
                             c->lay.token_bytes, k, v, bad);

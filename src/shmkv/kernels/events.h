@@ -85,7 +85,7 @@ static inline void shmkv_event_removed_locked(shmkv_ctx_t *c, uint32_t b, const 
  * that event whole, 0 if it is not (or no longer) in the ring: overwritten, being
  * written, never written.  The caller checked seq < head it loaded (acquire).  Every
  * field of out is untrusted beyond its stamp (check kind and num_tokens). */
-static int shmkv_event_read(const shmkv_ctx_t *c, uint64_t seq, uint8_t *out) {
+static inline int shmkv_event_read(const shmkv_ctx_t *c, uint64_t seq, uint8_t *out) {
     const shmkv_event_t *e = shmkv__ev_slot(c, seq);
     uint64_t s1 = __atomic_load_n(&e->stamp, __ATOMIC_ACQUIRE);
     if (s1 != seq + 1) return 0;
@@ -105,7 +105,7 @@ static inline uint64_t shmkv_event_head(const shmkv_ctx_t *c) {
  * between its two stores): every event of the window [head - capacity, head) carries its
  * own stamp and a known kind; a stored event carries block_size ids.  Returns the number
  * of bad events; *first_bad gets the first. */
-static uint64_t shmkv_events_check_locked(const shmkv_ctx_t *c, uint64_t *first_bad) {
+static inline uint64_t shmkv_events_check_locked(const shmkv_ctx_t *c, uint64_t *first_bad) {
     if (c->events == NULL) return 0;
     uint64_t head = shmkv_event_head(c), cap = c->cfg.event_capacity;
     uint64_t lo = head > cap ? head - cap : 0, bad = 0;
@@ -123,7 +123,7 @@ static uint64_t shmkv_events_check_locked(const shmkv_ctx_t *c, uint64_t *first_
  * findable; one "cleared" event, written first.  Caller holds pool_lock.  A death at
  * any line leaves flags, lists and index that recovery rebuilds (it derives them all
  * from the blocks' hash flags and the tables).  Returns the number of hashes dropped. */
-static uint64_t shmkv_prefix_reset_locked(shmkv_ctx_t *c) {
+static inline uint64_t shmkv_prefix_reset_locked(shmkv_ctx_t *c) {
     shmkv_shared_t *sh = c->sh;
     const uint32_t NB = c->cfg.num_blocks;
     shmkv_event_emit_locked(c, SHMKV_EV_CLEARED, NULL, NULL, SHMKV_NIL, NULL, 0);

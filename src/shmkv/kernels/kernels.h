@@ -31,6 +31,5 @@
 #include "prefix.h"
 #include "recover.h"
 #include "ops.h"
-#include "bench.h"
 
 #endif /* SHMKV_KERNELS_H */

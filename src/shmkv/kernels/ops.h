@@ -49,7 +49,7 @@ static int shmkv_pool_lock(shmkv_ctx_t *c) {
  *   3. The pool lock (bounded wait); a dead holder of it means the full pass (as every
  *      locker does), else shmkv_recover_dead_locked.
  * Call without the GIL.  OK, ETIMEDOUT (the pool lock), or a recovery error. */
-static int shmkv_recover_scheduled(shmkv_ctx_t *c, shmkv_recovery_t *r) {
+static inline int shmkv_recover_scheduled(shmkv_ctx_t *c, shmkv_recovery_t *r) {
     memset(r, 0, sizeof *r);
     if (!shmkv_recover_needed(c)) return SHMKV_OK;
     shmkv_shared_t *sh = c->sh;
@@ -121,7 +121,7 @@ static int shmkv_pcache_lock_recover_locked(shmkv_ctx_t *c, shmkv_proc_t *p) {
 
 /* Our cache back to half full (pool lock held): refilled from, or spilled to, the
  * shared stacks.  Refills take never-cached free blocks only (never the LRU list). */
-static int shmkv_pcache_balance_locked(shmkv_ctx_t *c) {
+static inline int shmkv_pcache_balance_locked(shmkv_ctx_t *c) {
     shmkv_proc_t *p = shmkv_me(c);
     if (p == NULL) return SHMKV_OK;
     int st = shmkv_pcache_lock_recover_locked(c, p);
@@ -166,7 +166,7 @@ static int shmkv__pcache_owner_busy(shmkv_ctx_t *c, shmkv_proc_t *p) {
  * cache its owner is busy with (above) is left alone rather than waited for: the wait
  * would hold the pool lock -- every other process -- behind a stopped one, for the few
  * blocks a cache keeps. */
-static int shmkv_pcache_drain_all_locked(shmkv_ctx_t *c) {
+static inline int shmkv_pcache_drain_all_locked(shmkv_ctx_t *c) {
     for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
         shmkv_proc_t *p = &c->procs[s];
         if (shmkv_atomic_load_u32(&p->state) != SHMKV_PROC_ACTIVE) continue;
@@ -184,7 +184,7 @@ static int shmkv_pcache_drain_all_locked(shmkv_ctx_t *c) {
 /* ---- process registration ---------------------------------------------------------------- */
 /* Takes a free process slot: first the OFD liveness lock on its byte, then the fields,
  * then state ACTIVE -- so no prober ever sees an ACTIVE slot without its lock. */
-static int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid_start) {
+static inline int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid_start) {
     if (c->lock_fd < 0) return SHMKV_EINVAL;
     for (uint32_t s = 0; s < c->cfg.max_procs; s++) {
         shmkv_proc_t *p = &c->procs[s];
@@ -219,7 +219,7 @@ static int shmkv_proc_register_locked(shmkv_ctx_t *c, uint64_t pid, uint64_t pid
 /* Leaves the process table, freeing our own sequences (not detached ones) first.  A
  * sequence of ours that another process holds locked right now is left to a later
  * recovery (its owner is gone by then).  Nothing of other processes is touched. */
-static void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
+static inline void shmkv_proc_unregister_locked(shmkv_ctx_t *c) {
     if (c->proc_slot >= c->cfg.max_procs) return;
     for (uint32_t s = 0; s < c->cfg.max_seqs; s++) {
         shmkv_seq_t *q = &c->seqs[s];

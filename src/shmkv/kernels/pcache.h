@@ -75,7 +75,7 @@ static inline int shmkv__cacheable(const shmkv_ctx_t *c, uint32_t b) {
 
 /* create_sequence() from our cache.  OK, EAGAIN (cache busy or empty: take the slow
  * path) or ECORRUPT. */
-static int shmkv_pcache_create(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out) {
+static inline int shmkv_pcache_create(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_out) {
     shmkv_proc_t *p = shmkv_me(c);
     if (p == NULL || !shmkv_pcache_trylock(c, p)) return SHMKV_EAGAIN;
     int st = SHMKV_EAGAIN;
@@ -98,7 +98,7 @@ static int shmkv_pcache_create(shmkv_ctx_t *c, uint32_t priority, int64_t *sid_o
 /* The new tail blocks of a grow plan (no copy-on-write) from our cache, straight into
  * the table beyond the published length, as shmkv_seq_grow_locked does.  Caller holds
  * the sequence lock.  OK, EAGAIN (too few cached, or busy: slow path) or ECORRUPT. */
-static int shmkv_pcache_grow(shmkv_ctx_t *c, uint32_t slot, const shmkv_grow_plan_t *pl) {
+static inline int shmkv_pcache_grow(shmkv_ctx_t *c, uint32_t slot, const shmkv_grow_plan_t *pl) {
     shmkv_proc_t *p = shmkv_me(c);
     uint32_t n = pl->new_blocks;
     if (p == NULL || pl->cow || n == 0) return SHMKV_EAGAIN;
@@ -141,7 +141,7 @@ static int shmkv_pcache_grow(shmkv_ctx_t *c, uint32_t slot, const shmkv_grow_pla
  * the sequence lock we hold; a prefix hit needs a hash), so each falls to 0 with no
  * pool lock.  Caller holds the sequence lock; on OK the kernel releases it.  OK, EAGAIN
  * (slow path: shared or hashed blocks, cache full or busy) or ECORRUPT. */
-static int shmkv_pcache_free(shmkv_ctx_t *c, uint32_t slot) {
+static inline int shmkv_pcache_free(shmkv_ctx_t *c, uint32_t slot) {
     shmkv_proc_t *p = shmkv_me(c);
     if (p == NULL) return SHMKV_EAGAIN;
     shmkv_seq_t *q = &c->seqs[slot];
@@ -190,7 +190,7 @@ static int shmkv_pcache_free(shmkv_ctx_t *c, uint32_t slot) {
  * (a cut inside the last block) takes this path too: only our cache_lock, which keeps
  * recovery and check() out while the table and the hashing state change.  Caller holds
  * the sequence lock.  OK, EAGAIN (slow path) or an error; nothing changed unless OK. */
-static int shmkv_pcache_truncate(shmkv_ctx_t *c, uint32_t slot, uint32_t n) {
+static inline int shmkv_pcache_truncate(shmkv_ctx_t *c, uint32_t slot, uint32_t n) {
     shmkv_proc_t *p = shmkv_me(c);
     if (p == NULL) return SHMKV_EAGAIN;
     uint32_t keep;

@@ -36,13 +36,9 @@ static void shmkv_hash_fast(uint64_t seed, const uint64_t *parent, const int32_t
     out[1] = h1;
 }
 
-static inline uint32_t shmkv_slot_of(const shmkv_ctx_t *c, const shmkv_seq_t *q) {
-    return (uint32_t)(q - c->seqs);
-}
-
 /* Token ids of positions [pos, pos+n) between the sequence's blocks and ids[].
  * Caller holds the sequence lock and checked the span. */
-static void shmkv_seq_tokens(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
+static inline void shmkv_seq_tokens(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64_t n,
                              int32_t *ids, int to_pool) {
     const int32_t *t = shmkv_table(c, slot);
     const uint64_t bs = c->cfg.block_size;
@@ -57,7 +53,7 @@ static void shmkv_seq_tokens(shmkv_ctx_t *c, uint32_t slot, uint64_t pos, uint64
 
 /* The hash of block i of a sequence: parent = block i-1's hash (computed before, the
  * chain is filled in order), extra = the salt digest for block 0. */
-static void shmkv_seq_block_hash_fast(shmkv_ctx_t *c, uint32_t slot, uint32_t i) {
+static inline void shmkv_seq_block_hash_fast(shmkv_ctx_t *c, uint32_t slot, uint32_t i) {
     const int32_t *t = shmkv_table(c, slot);
     const shmkv_seq_t *q = &c->seqs[slot];
     uint64_t zero[2] = { 0, 0 };
@@ -71,7 +67,7 @@ static void shmkv_seq_block_hash_fast(shmkv_ctx_t *c, uint32_t slot, uint32_t i)
 /* Makes [hashed, hash_ready) findable: each block's hash goes into the index, unless
  * that hash is there already (another process published the same prefix first: ours
  * stays a private copy).  Caller holds the pool lock (and the sequence lock). */
-static void shmkv_seq_publish_locked(shmkv_ctx_t *c, uint32_t slot) {
+static inline void shmkv_seq_publish_locked(shmkv_ctx_t *c, uint32_t slot) {
     shmkv_seq_t *q = &c->seqs[slot];
     const int32_t *t = shmkv_table(c, slot);
     uint32_t end = q->hash_ready < q->nblocks ? q->hash_ready : q->nblocks;
@@ -93,7 +89,7 @@ static void shmkv_seq_publish_locked(shmkv_ctx_t *c, uint32_t slot) {
 }
 
 /* How many leading hashes of hashes[n][2] are findable. */
-static uint32_t shmkv_prefix_match_locked(shmkv_ctx_t *c, const uint64_t *hashes, uint32_t n) {
+static inline uint32_t shmkv_prefix_match_locked(shmkv_ctx_t *c, const uint64_t *hashes, uint32_t n) {
     uint32_t i = 0;
     for (; i < n; i++)
         if (shmkv_index_find_locked(c, hashes + 2 * i) == SHMKV_NIL) break;
@@ -103,7 +99,7 @@ static uint32_t shmkv_prefix_match_locked(shmkv_ctx_t *c, const uint64_t *hashes
 /* Gives an empty sequence (ours, fresh) the findable leading blocks of hashes[n][2]:
  * each hit gets a reference; a cached block (ref_cnt 0) leaves the LRU list in O(1).
  * Returns the number of blocks taken. */
-static uint32_t shmkv_prefix_take_locked(shmkv_ctx_t *c, uint32_t slot, const uint64_t *hashes,
+static inline uint32_t shmkv_prefix_take_locked(shmkv_ctx_t *c, uint32_t slot, const uint64_t *hashes,
                                          uint32_t n) {
     shmkv_seq_t *q = &c->seqs[slot];
     int32_t *t = shmkv_table(c, slot);
@@ -160,7 +156,7 @@ static void shmkv__trim_apply(shmkv_ctx_t *c, uint32_t slot) {
 /* Keeps the first S blocks and the last K, drops the D between.  Caller holds the pool
  * lock and the sequence lock; nblocks covers exactly the published length.  dropped[]
  * (room for D) receives the dropped block ids for the caller to release. */
-static int shmkv_seq_trim_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t S, uint32_t D,
+static inline int shmkv_seq_trim_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t S, uint32_t D,
                                  uint32_t *dropped) {
     shmkv_seq_t *q = &c->seqs[slot];
     uint32_t nb = q->nblocks;

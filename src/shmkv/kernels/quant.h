@@ -79,27 +79,17 @@ static inline float shmkv_q_src(const void *x, int f16, uint64_t i) {
     return ((const float *)x)[i];
 }
 
-/* Which quantizer: 0 portable C, 1 AVX2+F16C, 2 AVX-512 F/BW/VL (+F16C), the best the CPU
- * runs, chosen once per module (each Cython module that includes this has its own switch;
- * the test hook shmkv._quant._force_quant_isa sets the one the quantizers read).  The three
- * give the same codes and scales, bit for bit, for every head_dim (the vector paths do a
- * partial last vector: masked on AVX-512, through a zero-padded copy on AVX2). */
+/* Which quantizer: 0 portable C, 1 AVX2+F16C, 2 AVX-512 F/BW/VL (+F16C): the level of
+ * cpu.h (SHMKV_ISA caps it; amx counts as avx512), read once per module (each Cython module
+ * that includes this has its own switch; the test hook shmkv._quant._force_quant_isa sets
+ * the one the quantizers read).  The three give the same codes and scales, bit for bit,
+ * for every head_dim (the vector paths do a partial last vector: masked on AVX-512,
+ * through a zero-padded copy on AVX2). */
 static int shmkv_q_isa = -1;
-static inline int shmkv_quant_cpu_isa(void) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && shmkv_cpu_has_f16c()) {
-        /* (the avx512* checks include the OS's zmm/opmask state, XGETBV) */
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl"))
-            return 2;
-        return 1;
-    }
-#endif
-    return 0;
-}
+static inline int shmkv_quant_level(int isa) { return isa > SHMKV_ISA_AVX512 ? SHMKV_ISA_AVX512 : isa; }
+static inline int shmkv_quant_cpu_isa(void) { return shmkv_quant_level(shmkv_cpu_best()); }
 static inline int shmkv_quant_isa(void) {
-    if (shmkv_q_isa < 0) shmkv_q_isa = shmkv_quant_cpu_isa();
+    if (shmkv_q_isa < 0) shmkv_q_isa = shmkv_quant_level(shmkv_cpu_isa());
     return shmkv_q_isa;
 }
 
@@ -458,7 +448,7 @@ SHMKV_QT5 int shmkv_quant_e4m3_avx512(const void *x, int f16, uint32_t layers, u
 #define SHMKV_QUANT_HAVE_AVX512 0
 #endif
 
-static int shmkv_quant_i8(const void *x, int f16, uint64_t rows, uint32_t d, int8_t *q,
+static inline int shmkv_quant_i8(const void *x, int f16, uint64_t rows, uint32_t d, int8_t *q,
                           float *s) {
 #if SHMKV_QUANT_HAVE_AVX512
     if (shmkv_quant_isa() == 2) return shmkv_quant_i8_avx512(x, f16, rows, d, q, s);
@@ -469,7 +459,7 @@ static int shmkv_quant_i8(const void *x, int f16, uint64_t rows, uint32_t d, int
     return shmkv_quant_i8_c(x, f16, rows, d, q, s);
 }
 
-static int shmkv_quant_e4m3(const void *x, int f16, uint32_t layers, uint64_t n,
+static inline int shmkv_quant_e4m3(const void *x, int f16, uint32_t layers, uint64_t n,
                             uint32_t heads, uint32_t d, const float *hs, uint8_t *q) {
 #if SHMKV_QUANT_HAVE_AVX512
     if (shmkv_quant_isa() == 2)
@@ -483,7 +473,7 @@ static int shmkv_quant_e4m3(const void *x, int f16, uint32_t layers, uint64_t n,
 }
 
 /* rows rows of d codes with one scale each -> floats. */
-static void shmkv_dequant_i8(const int8_t *q, const float *s, uint64_t rows, uint32_t d,
+static inline void shmkv_dequant_i8(const int8_t *q, const float *s, uint64_t rows, uint32_t d,
                              float *x) {
 #if SHMKV_QUANT_HAVE_AVX2
     if (d % 8 == 0 && shmkv_quant_isa() >= 1) { shmkv_dequant_i8_avx2(q, s, rows, d, x); return; }
@@ -500,7 +490,7 @@ static void shmkv_dequant_i8(const int8_t *q, const float *s, uint64_t rows, uin
  * 256-entry table built per call (the bit trick above multiplies float32 denormals for
  * the subnormal codes: a microcode assist each, 256 of them here instead of one per
  * element). */
-static void shmkv_dequant_e4m3(const uint8_t *q, uint32_t layers, uint64_t n, uint32_t heads,
+static inline void shmkv_dequant_e4m3(const uint8_t *q, uint32_t layers, uint64_t n, uint32_t heads,
                                uint32_t d, const float *hs, float *x) {
     float lut[256];
     for (uint32_t i = 0; i < 256; i++) lut[i] = shmkv_e4m3_to_f32((uint8_t)i);

@@ -91,7 +91,7 @@ static int shmkv_seq_free_locked(shmkv_ctx_t *c, uint32_t slot) {
 /* A child shares every block that holds the parent's published tokens (ref_cnt++).
  * Caller holds the pool lock and the parent's sequence lock (the parent's free may run
  * on its owner's fast path, which takes no pool lock). */
-static int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_out) {
+static inline int shmkv_seq_fork_locked(shmkv_ctx_t *c, int64_t parent, int64_t *child_out) {
     uint32_t ps;
     int st = shmkv_sid_slot(c, parent, &ps);
     if (st != SHMKV_OK) return st;
@@ -190,7 +190,7 @@ static void shmkv__truncate_publish(shmkv_ctx_t *c, uint32_t slot, uint32_t n,
  * index).  Caller holds the sequence lock and the pool lock.  All-or-nothing: every
  * check comes before the first store -- including the two a corrupt segment could
  * turn into damage: a refcount of 0 under a table entry, a free stack with no room. */
-static int shmkv_seq_truncate_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t n) {
+static inline int shmkv_seq_truncate_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t n) {
     uint32_t keep;
     int st = shmkv__truncate_check(c, slot, n, &keep);
     if (st != SHMKV_OK) return st;
@@ -219,7 +219,7 @@ typedef struct {
 /* Caller holds the sequence lock.  No pool lock needed: ref_cnt of our partial last
  * block can only rise (a fork) after we read it, and a fork shares only what is
  * already published, never the positions we are about to write. */
-static int shmkv_seq_plan(shmkv_ctx_t *c, uint32_t slot, uint64_t n, shmkv_grow_plan_t *pl) {
+static inline int shmkv_seq_plan(shmkv_ctx_t *c, uint32_t slot, uint64_t n, shmkv_grow_plan_t *pl) {
     shmkv_seq_t *q = &c->seqs[slot];
     uint32_t nb = q->nblocks;
     uint32_t len = q->len;
@@ -249,7 +249,7 @@ static int shmkv_seq_plan(shmkv_ctx_t *c, uint32_t slot, uint64_t n, shmkv_grow_
 /* Allocates what the plan needs: new tail blocks go straight into the table (beyond the
  * published length nobody reads them, and a death leaves them owned by the sequence);
  * a copy-on-write target is recorded in our process's in-flight list.  All-or-nothing. */
-static int shmkv_seq_grow_locked(shmkv_ctx_t *c, uint32_t slot, shmkv_grow_plan_t *pl,
+static inline int shmkv_seq_grow_locked(shmkv_ctx_t *c, uint32_t slot, shmkv_grow_plan_t *pl,
                                  uint32_t *cow_target) {
     shmkv_seq_t *q = &c->seqs[slot];
     uint32_t total = pl->new_blocks + (pl->cow ? 1u : 0u);
@@ -285,7 +285,7 @@ static int shmkv_seq_grow_locked(shmkv_ctx_t *c, uint32_t slot, shmkv_grow_plan_
  * src to dst.
  * No lock: src is held by our table (we hold the sequence lock), dst by our in-flight
  * record. */
-static void shmkv_block_copy(shmkv_ctx_t *c, uint32_t src, uint32_t dst, uint32_t tokens) {
+static inline void shmkv_block_copy(shmkv_ctx_t *c, uint32_t src, uint32_t dst, uint32_t tokens) {
     uint64_t nbytes = (uint64_t)tokens * c->lay.token_bytes;
     memcpy(c->tokens + (uint64_t)dst * c->cfg.block_size,
            c->tokens + (uint64_t)src * c->cfg.block_size, (uint64_t)tokens * 4u);
@@ -301,7 +301,7 @@ static void shmkv_block_copy(shmkv_ctx_t *c, uint32_t src, uint32_t dst, uint32_
 
 /* Puts the filled copy-on-write target in place of the shared block: one table store
  * publishes it, then the in-flight record and the old reference are dropped. */
-static int shmkv_seq_cow_commit_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t index,
+static inline int shmkv_seq_cow_commit_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t index,
                                        uint32_t target) {
     int32_t *t = shmkv_table(c, slot);
     int32_t old = t[index];
@@ -318,7 +318,7 @@ static int shmkv_seq_cow_commit_locked(shmkv_ctx_t *c, uint32_t slot, uint32_t i
 }
 
 /* Gives back a copy-on-write target that was never committed (the copy was abandoned). */
-static void shmkv_inflight_release_locked(shmkv_ctx_t *c, uint32_t target) {
+static inline void shmkv_inflight_release_locked(shmkv_ctx_t *c, uint32_t target) {
     shmkv_proc_t *p = &c->procs[c->proc_slot];
     for (uint32_t i = 0; i < SHMKV_INFLIGHT_PER_PROC; i++)
         if (p->inflight[i] == target) {
@@ -332,7 +332,7 @@ static void shmkv_inflight_release_locked(shmkv_ctx_t *c, uint32_t target) {
 
 /* Pass 1: slot and length of every sid, and W, the longest table.  On failure *bad is
  * the sid at fault (ENOSEQ: not live; ECORRUPT: a length the table cannot hold). */
-static int shmkv_batch_sizes_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
+static inline int shmkv_batch_sizes_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
                                     uint32_t *slots, int32_t *lens, uint32_t *w_out,
                                     int64_t *bad) {
     uint32_t w = 0, sl;
@@ -387,7 +387,7 @@ static inline int shmkv__copy_ids(int32_t *dst, const int32_t *src, uint32_t n, 
 /* Pass 2: copy each table into out[n][w], padded with -1, and check every block id.  A
  * free on its owner's fast path takes no pool lock: an id still live after the copy was
  * live, its blocks unreused, while we copied, so the ids are checked again last. */
-static int shmkv_batch_copy_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
+static inline int shmkv_batch_copy_locked(const shmkv_ctx_t *c, const int64_t *sids, size_t n,
                                    const uint32_t *slots, const int32_t *lens, uint32_t w,
                                    int32_t *out, int64_t *bad) {
     uint32_t sl, nblocks = c->cfg.num_blocks;

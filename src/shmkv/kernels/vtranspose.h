@@ -26,25 +26,20 @@
 
 static int shmkv_vt_isa_v = -1;          /* 0 portable, 1 AVX2, 2 AVX-512F */
 
+/* cpu.h's level (SHMKV_ISA caps it; amx counts as avx512), read once per module */
+static inline int shmkv_vt_level(int isa) { return isa > SHMKV_ISA_AVX512 ? SHMKV_ISA_AVX512 : isa; }
 static inline int shmkv_vt_isa(void) {
-    if (shmkv_vt_isa_v < 0) {
-        int v = 0;
-#if SHMKV_X86
-        __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512f")) v = 2;
-        else if (__builtin_cpu_supports("avx2")) v = 1;
-#endif
-        shmkv_vt_isa_v = v;
-    }
+    if (shmkv_vt_isa_v < 0) shmkv_vt_isa_v = shmkv_vt_level(shmkv_cpu_isa());
     return shmkv_vt_isa_v;
 }
 
-/* -1: back to the CPU's; 0/1/2 as above, capped at what the CPU has.  Returns the ISA now. */
+/* -1: back to the default; 0/1/2 as above, capped at what the CPU has.  Returns the ISA
+ * now. */
 static inline int shmkv_vt_force_isa(int isa) {
     shmkv_vt_isa_v = -1;
-    int have = shmkv_vt_isa();
+    const int have = shmkv_vt_level(shmkv_cpu_best());
     if (isa >= 0) shmkv_vt_isa_v = isa < have ? isa : have;
-    return shmkv_vt_isa_v;
+    return shmkv_vt_isa();
 }
 
 static inline void shmkv_vt32_c(const uint32_t *src, ptrdiff_t ss, uint32_t *dst,

@@ -15,7 +15,7 @@ Value (little-endian), one per full block::
         16    16  layout fingerprint
         32    16  block hash (h0, h1: the prefix cache's 128-bit hash)
         48     8  payload bytes (token ids + K + V)
-        56     8  checksum: shmkv._prefix.tier_checksum(payload, seed=checksum of bytes 0..55)
+        56     8  checksum: shmkv._checksum.tier_checksum(payload, seed=checksum of bytes 0..55)
         64        token ids int32 [block_size]
                   K [num_layers, block_size, num_kv_heads, head_dim] (the pool's dtype)
                   V likewise
@@ -40,7 +40,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from .._prefix import tier_checksum
+from .._checksum import tier_checksum
 
 __all__ = ["Layout", "MAGIC", "VERSION", "HEADER", "scale_table"]
 

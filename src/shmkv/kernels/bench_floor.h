@@ -1,35 +1,35 @@
 /*
- * kernels/attention_floor.h -- what the benchmarks compare the kernel with: the read floor
- * (every byte read once on the pool's threads) and the FMA peak; and the build string.
- * A part of attention.c (included once by it, as attention_isa.h is), not a header of its
- * own: it uses what attention.c defines above the include.
+ * kernels/bench_floor.h -- what the benchmarks compare the attention kernel with: the read
+ * floor (every byte read once on the kernel pool's threads) and the FMA peak.  A header of
+ * shmkv._bench (the benchmark and test hooks' module), not of the product: the tasks run
+ * on the attention kernel's pool through the runner shmkv._attention exports
+ * (shmkv_attn_run_timed), handed in as `run`.  Owns no data.
  */
-/* ---- the build ------------------------------------------------------------------------
- * The compiler and whether it optimised: what the default mode's recorded result digests
- * (tests/data/attention_default.json) belong to -- another compiler, or -O0, may contract
- * and order float operations differently. */
-#if defined(__clang__)
-#define SHMKV_CC "clang " __clang_version__
-#elif defined(__GNUC__)
-#define SHMKV_CC "gcc " __VERSION__
-#else
-#define SHMKV_CC "cc"
+#ifndef SHMKV_KERNELS_BENCH_FLOOR_H
+#define SHMKV_KERNELS_BENCH_FLOOR_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu.h"
+#include "attention.h"
+#if SHMKV_X86
+#include <immintrin.h>
 #endif
-#if defined(__OPTIMIZE__)
-#define SHMKV_OPT ", optimised"
-#else
-#define SHMKV_OPT ", -O0"
-#endif
-const char *shmkv_attn_build(void) { return SHMKV_CC SHMKV_OPT; }
+
+typedef double (*shmkv_runner_fn)(shmkv_task_fn fn, void *job, int threads, int *used,
+                                  void (*setup)(void *job, int t));
 
 /* ---- the read floor ------------------------------------------------------------------- */
 typedef struct {
     const uint8_t *buf;
     uint64_t n, per;
+    int isa;                    /* SHMKV_ISA_*: the AVX2 loop from SHMKV_ISA_AVX2 up */
     uint64_t sums[256];
 } shmkv_read_job_t;
 
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
 __attribute__((target("avx2")))
 static uint64_t shmkv_read_avx2(const uint8_t *p, uint64_t n) {
     __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
@@ -61,8 +61,8 @@ static void shmkv_read_task(void *ctx, uint32_t i, int tid) {
     shmkv_read_job_t *j = ctx;
     uint64_t a = (uint64_t)i * j->per, b = a + j->per > j->n ? j->n : a + j->per;
     if (a >= b) return;
-#if SHMKV_HAVE_X86
-    if (__builtin_cpu_supports("avx2")) { j->sums[i] = shmkv_read_avx2(j->buf + a, b - a); return; }
+#if SHMKV_X86
+    if (j->isa >= SHMKV_ISA_AVX2) { j->sums[i] = shmkv_read_avx2(j->buf + a, b - a); return; }
 #endif
     j->sums[i] = shmkv_read_plain(j->buf + a, b - a);
 }
@@ -76,7 +76,7 @@ typedef struct {
     float sums[256];
 } shmkv_fma_job_t;
 
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
 /* NC independent chains (distinct starts: equal chains would be merged by the compiler),
  * plus the two constants, all in registers: 16 of 32 zmm, 12 of 16 ymm (enough for 2 FMA
  * ports x 4 cycles of latency) */
@@ -118,46 +118,27 @@ static float shmkv_fma_scalar(uint64_t n) {
 static void shmkv_fma_task(void *ctx, uint32_t i, int tid) {
     (void)tid;
     shmkv_fma_job_t *j = ctx;
-#if SHMKV_HAVE_X86
+#if SHMKV_X86
     if (j->isa >= SHMKV_ISA_AVX512) { j->sums[i] = shmkv_fma_avx512(j->n); return; }
     if (j->isa == SHMKV_ISA_AVX2) { j->sums[i] = shmkv_fma_avx2(j->n); return; }
 #endif
     j->sums[i] = shmkv_fma_scalar(j->n);
 }
 
-/* Runs one benchmark task per thread on `threads` threads of the pool (0: all, at most
- * 256); returns the seconds it took, or -1 (no scratch).  *used: the threads it ran on. */
-static double shmkv_bench_run(shmkv_task_fn fn, void *job, int threads, int *used,
-                              void (*setup)(void *job, int t)) {
-    pthread_once(&shmkv_att_once, shmkv_att_init);
-    pthread_mutex_lock(&P.call_mu);
-    double secs = -1;
-    if (shmkv_pool_start() == 0) {
-        int t = threads <= 0 || threads > P.wanted ? P.wanted : threads;
-        if (t > 256) t = 256;
-        setup(job, t);
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        shmkv_pool_run(fn, job, (uint32_t)t, t);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
-        *used = t;
-    }
-    pthread_mutex_unlock(&P.call_mu);
-    return secs;
-}
+static void shmkv_fma_setup(void *job, int t) { (void)job; (void)t; }
 
-static void shmkv_fma_setup(void *job, int t) {
-    (void)t;
-    ((shmkv_fma_job_t *)job)->isa = shmkv_attn_isa();
-}
-
-double shmkv_bench_fma(uint64_t n, int threads, double *sink) {
+/* The FMA peak: float32 lane-FMAs per second of `threads` threads (0 = the pool's), each
+ * running n rounds of independent FMAs from registers in the width of `isa` (16 chains of
+ * 16 lanes for avx512/amx, 12 of 8 for avx2, 16 scalar).  *sink receives the results' sum;
+ * -1: the pool did not start. */
+static double shmkv_bench_fma(shmkv_runner_fn run, int isa, uint64_t n, int threads,
+                              double *sink) {
     shmkv_fma_job_t j;
     memset(&j, 0, sizeof j);
     j.n = n;
+    j.isa = isa;
     int t = 0;
-    const double secs = shmkv_bench_run(shmkv_fma_task, &j, threads, &t, shmkv_fma_setup);
+    const double secs = run(shmkv_fma_task, &j, threads, &t, shmkv_fma_setup);
     if (secs <= 0) return -1;
     const int lanes = j.isa >= SHMKV_ISA_AVX512 ? 16 : j.isa == SHMKV_ISA_AVX2 ? 8 : 1;
     const double chains = j.isa == SHMKV_ISA_AVX2 ? 12.0 : 16.0;
@@ -172,13 +153,18 @@ static void shmkv_read_setup(void *job, int t) {
     j->per = ((j->n + (uint64_t)t - 1) / (uint64_t)t + 4095) / 4096 * 4096;
 }
 
-double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *sink) {
+/* The read floor: every byte of buf read once by `threads` threads (0 = the pool's), with
+ * the AVX2 loop where `isa` has it.  Returns seconds (-1: the pool did not start); *sink
+ * receives a checksum so the reads cannot be optimised away. */
+static double shmkv_bench_read(shmkv_runner_fn run, int isa, const uint8_t *buf, uint64_t n,
+                               int threads, uint64_t *sink) {
     shmkv_read_job_t j;
     memset(&j, 0, sizeof j);
+    j.isa = isa;
     j.buf = buf;
     j.n = n;
     int t = 0;
-    const double secs = shmkv_bench_run(shmkv_read_task, &j, threads, &t, shmkv_read_setup);
+    const double secs = run(shmkv_read_task, &j, threads, &t, shmkv_read_setup);
     if (secs >= 0 && sink) {
         uint64_t s = 0;
         for (int i = 0; i < t; i++) s ^= j.sums[i];
@@ -186,3 +172,5 @@ double shmkv_bench_read(const uint8_t *buf, uint64_t n, int threads, uint64_t *s
     }
     return secs;
 }
+
+#endif /* SHMKV_KERNELS_BENCH_FLOOR_H */
