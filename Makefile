@@ -241,7 +241,7 @@ fuzz: install  ## hostile segments fed to attach (tools/fuzz_attach.py)
 # ruff; the C kernels' layering (src/shmkv/kernels/layers.txt: no file uses what a file above
 # it defines); Cython with warnings as errors; mypy --strict on a user's script over the
 # whole API (through the stubs); stubtest: the installed stubs agree with the compiled modules.
-STUBBED := shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events shmkv._vcopy shmkv._checksum shmkv._bench
+STUBBED := shmkv._sizes shmkv._core shmkv._inspect shmkv._prefix shmkv._sequences shmkv._quant shmkv._kvdata shmkv._attention shmkv._events shmkv._vcopy shmkv._checksum shmkv._bench
 
 $(VENV)/.lint: $(DEPS)
 	$(PIPI) ruff "mypy>=1.18"
