@@ -218,7 +218,7 @@ bench-quick: install bench-deps  ## a short benchmark run into benchmarks/out/
 # below), so all compile on any x86-64 machine with gcc >= 11 (AMX intrinsics), an
 # AVX2-only one too; running one needs the CPU its header names (AVX-512, AVX512_BF16, AMX).
 MICRO_DIR := benchmarks/out/micro
-MICRO_CFLAGS := -O2 -Wall -Wno-unused-function
+MICRO_CFLAGS := -O2 -Wall
 MICRO_ISA_access_order := -mavx512f -mavx512bw -mf16c -mfma
 MICRO := $(patsubst benchmarks/micro/%.c,$(MICRO_DIR)/%,$(wildcard benchmarks/micro/*.c))
 micro: $(MICRO)  ## the C microbenchmarks (benchmarks/micro)
@@ -325,7 +325,7 @@ clang: | redis  ## clang for sanitize and fuzz-c
 DURATION ?= 60
 FUZZ_DIR := .fuzz
 FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined \
-	-fno-sanitize-recover=undefined -fno-wrapv -std=gnu11 -Wall -Wno-unused-function
+	-fno-sanitize-recover=undefined -fno-wrapv -std=gnu11 -Wall
 
 fuzz-c: install  ## the C fuzzer (libFuzzer)
 	mkdir -p $(FUZZ_DIR)/corpus
