@@ -25,7 +25,7 @@ static int shmkv__owner_died(shmkv_ctx_t *c) {
 
 /* Returns OK (locked), EAGAIN (busy; nothing held), or ECORRUPT (not recoverable).
  * Spins briefly (bounded, no sleep) before giving up. */
-static int shmkv_pool_trylock(shmkv_ctx_t *c) {
+static inline int shmkv_pool_trylock(shmkv_ctx_t *c) {
     int st = shmkv__pool_trylock_raw(c);
     return st == SHMKV_EDEADHOLDER ? shmkv__owner_died(c) : st;
 }
@@ -85,7 +85,7 @@ static inline int shmkv_recover_scheduled(shmkv_ctx_t *c, shmkv_recovery_t *r) {
  * over after a recovery pass (which also reclaims what the holder had in flight), and
  * the wait goes on within the same bound.  Call without the GIL.  Returns OK, ENOSEQ,
  * ETIMEDOUT or a recovery error. */
-static int shmkv_seq_lock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot) {
+static inline int shmkv_seq_lock(shmkv_ctx_t *c, int64_t sid, uint32_t *slot) {
     int st = shmkv_seq_trylock(c, sid, slot);
     if (st != SHMKV_EAGAIN) return st;
     shmkv_count(c, SHMKV_C_LOCK_WAITS, 1);
